@@ -1,0 +1,160 @@
+"""EAGLE-1 (Li et al., 2024): extrapolate the target's next feature, read it with the target's lm_head.
+
+At position t the head sees the target feature f_t (the final-norm output the lm_head reads, as the
+EAGLE reference takes `hidden_states[-1]`) and the embedding of the next token x_{t+1}:
+    x   = fc([embed(x_{t+1}); f_t])                      (2H -> H)
+    f̂   = decoder layer(s)(x)                            (no input norm on the first layer)
+    p̂   = softmax(lm_head(f̂))                            predicts x_{t+2}
+Loss = w_feat * SmoothL1(f̂, f_{t+1}) + w_tok * KL(p_target(x_{t+2}) || p̂).
+Drafting feeds f̂ back in place of f for the next step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
+from draftkit.heads.layers import DecoderLayer, LayerKV, cached_mask, causal_mask
+from draftkit.target import FINAL
+
+
+@dataclass
+class EagleConfig(HeadConfig):
+    type: str = "eagle"
+    # Decoder layers in the head (the EAGLE paper uses 1).
+    num_layers: int = 1
+    # Loss weights: feature regression (SmoothL1) and token distribution (KL), as in the paper.
+    w_feat: float = 1.0
+    w_tok: float = 0.1
+    # Bias on fc. The EAGLE-1 reference has one; vLLM's llama_eagle loads either.
+    fc_bias: bool = True
+    # Target layers the head reads: the final norm output (see draftkit.target for the convention).
+    feature_layers: list[int] = field(default_factory=lambda: [FINAL])
+
+
+@dataclass
+class ChainState:
+    """Draft-time KV cache of a chain head, with per-row positions and hole-aware validity."""
+
+    kv: list[LayerKV]
+    slot_valid: Tensor  # (B, S) bool: slot holds a real (confirmed or current-speculative) entry
+    next_pos: Tensor  # (B,) rotary position of the next confirmed entry of each row
+    confirmed: int = 0  # slots [0, confirmed) are confirmed; later ones are last call's speculation
+
+    def drop_speculation(self) -> None:
+        for layer in self.kv:
+            layer.truncate(self.confirmed)
+        self.slot_valid = self.slot_valid[:, : self.confirmed]
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def last_valid(x: Tensor, valid: Tensor) -> Tensor:
+    """x (B, n, ...) -> (B, ...) at the last valid index of each row (index 0 if none)."""
+    idx = (valid.long().cumsum(1).argmax(1))  # (B,) last position where the running count peaks
+    return x[torch.arange(x.shape[0], device=x.device), idx]
+
+
+class EagleHead(DraftHead):
+    family = "eagle"
+    config_class = EagleConfig
+
+    def __init__(self, config: EagleConfig, shared=None):
+        super().__init__(config, shared)
+        H = config.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config.layer_dims(), input_norm=i > 0) for i in range(config.num_layers))
+
+    @classmethod
+    def feature_layers_of(cls, config: EagleConfig) -> tuple[int, ...]:
+        return tuple(config.feature_layers)
+
+    @classmethod
+    def validate(cls, config: EagleConfig, target) -> None:
+        super().validate(config, target)
+        if len(config.feature_layers) != 1:
+            raise HeadError(f"head.feature_layers: EAGLE reads exactly one layer, got {config.feature_layers}")
+        if config.num_layers < 1:
+            raise HeadError(f"head.num_layers: must be >= 1, got {config.num_layers}")
+
+    # ---- the network ----
+    def forward(self, feats: Tensor, next_ids: Tensor, positions: Tensor, mask: Tensor,
+                kv: list[LayerKV] | None = None) -> Tensor:
+        # feats: (B, T, H) f_t; next_ids: (B, T) x_{t+1}; positions: (B, T); mask: (B, 1, T, S)
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([self.embed(next_ids, dtype), feats.to(dtype)], dim=-1))  # (B, T, H)
+        cos, sin = self.cos_sin(positions, dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, x, cos, sin, mask, kv[i] if kv is not None else None)
+        return x  # (B, T, H) predicted f_{t+1}
+
+    # ---- training ----
+    def loss(self, features) -> dict[str, Tensor]:
+        f = features.hidden.float()  # (B, T, H)
+        ids, attn = features.input_ids, features.attention_mask.bool()
+        B, T, _ = f.shape
+        valid = attn[:, 1:] & attn[:, :-1]  # (B, T-1) both ends of each pair real
+        positions = torch.arange(T - 1, device=f.device).expand(B, -1)
+        pred = self(f[:, :-1], ids[:, 1:], positions, causal_mask(valid))  # (B, T-1, H) f̂_{t+1}
+        # Position t is supervised when x_{t+2} is a loss token (an assistant token).
+        lm = features.loss_mask if features.loss_mask is not None else attn.long()
+        sup = torch.zeros_like(valid)
+        sup[:, :-1] = lm[:, 2:].bool() & valid[:, :-1]
+        return self.distill_loss(pred[sup], f[:, 1:][sup], features.final_hidden[:, 1:][sup])
+
+    def distill_loss(self, pred: Tensor, target_feat: Tensor, target_final: Tensor) -> dict[str, Tensor]:
+        """Losses over the N supervised positions only: pred/target (N, H)."""
+        c = self.config
+        feat = F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1)  # (N,)
+        head_logp = F.log_softmax(self.target_logits(pred), dim=-1)  # (N, V)
+        with torch.no_grad():
+            tgt_logits = self.target_logits(target_final)
+            tgt_logp = F.log_softmax(tgt_logits, dim=-1)
+        kl = (tgt_logp.exp() * (tgt_logp - head_logp)).sum(-1)  # (N,) KL(p || p̂)
+        acc = (head_logp.argmax(-1) == tgt_logits.argmax(-1)).float()
+        n = max(pred.shape[0], 1)
+        feat_l, kl_l = feat.sum() / n, kl.sum() / n
+        return {"loss": c.w_feat * feat_l + c.w_tok * kl_l, "feat_loss": feat_l.detach(),
+                "kl": kl_l.detach(), "acc": acc.sum().detach() / n,
+                "tokens": torch.tensor(float(pred.shape[0]))}
+
+    # ---- drafting ----
+    def new_draft_state(self, batch_size: int) -> ChainState:
+        dev = self.fc.weight.device
+        return ChainState([LayerKV() for _ in self.layers],
+                          torch.zeros(batch_size, 0, dtype=torch.bool, device=dev),
+                          torch.zeros(batch_size, dtype=torch.long, device=dev))
+
+    def _step(self, state: ChainState, feats: Tensor, ids: Tensor, valid: Tensor, positions: Tensor) -> Tensor:
+        state.slot_valid = torch.cat([state.slot_valid, valid.bool()], dim=1)
+        mask = cached_mask(state.slot_valid, ids.shape[1])
+        return self(feats, ids, positions, mask, state.kv)
+
+    @torch.no_grad()
+    def draft(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
+              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+        state.drop_speculation()
+        # 1. Consume the newly confirmed (feature, next token) pairs: (B, n).
+        positions = state.next_pos[:, None] + valid.long().cumsum(1) - 1
+        out = self._step(state, feats, next_tokens, valid, positions.clamp(min=0))
+        state.confirmed += valid.shape[1]
+        state.next_pos = state.next_pos + valid.long().sum(1)
+        h = last_valid(out, valid)  # (B, H) f̂ after the newest token
+        # 2. Chain k drafts, feeding each predicted feature and drafted token back in.
+        tokens, probs = [], []
+        ones = torch.ones(h.shape[0], 1, dtype=torch.bool, device=h.device)
+        for i in range(k):
+            tok, prob = sample(self.target_logits(h))  # (B,), (B, V) | None
+            tokens.append(tok)
+            probs.append(prob)
+            if i + 1 < k:
+                pos = (state.next_pos + i)[:, None]
+                h = self._step(state, h[:, None], tok[:, None], ones, pos)[:, 0]
+        draft_probs = None if probs[0] is None else torch.stack(probs, 1)
+        return torch.stack(tokens, 1), draft_probs

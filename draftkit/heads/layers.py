@@ -1,0 +1,145 @@
+"""A llama-style decoder layer for draft heads, with a KV cache that supports ragged rows.
+
+Parameter names follow transformers' Llama (self_attn.q_proj, mlp.gate_proj, input_layernorm, ...)
+so exports map onto vLLM / SGLang layouts without renaming inside the layer.
+
+The cache keeps one slot per fed token for every row. Rows that accept different numbers of draft
+tokens leave *holes* (slots marked invalid) instead of being cropped to a common length; the
+attention mask hides invalid slots, and rotary positions are tracked per row by the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class LayerDims:
+    """Shapes of one decoder layer, taken from the target's config."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    # Width of the attention / MLP input; EAGLE-3 feeds [embedding; hidden] (2H) into q/k/v.
+    input_size: int | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (B, heads, T, d); cos/sin: (B, T, d)
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class LayerKV:
+    """Keys and values of one layer for every slot fed so far: (B, kv_heads, S, d)."""
+
+    def __init__(self):
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def truncate(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class Attention(nn.Module):
+    def __init__(self, d: LayerDims):
+        super().__init__()
+        d_in = d.input_size or d.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+        self.q_proj = nn.Linear(d_in, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, kv: LayerKV | None = None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, h, T, d)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, kv, T, d)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            k, v = kv.extend(k, v)  # (B, kv, S, d): earlier slots + these T
+        # mask: (B, 1, T, S) bool, True = may attend. enable_gqa shares kv heads across q heads.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: LayerDims, d_in: int | None = None):
+        super().__init__()
+        d_in = d_in or d.hidden_size
+        self.gate_proj = nn.Linear(d_in, d.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d_in, d.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm llama block. `input_norm=False` drops the input norm (EAGLE-1's first layer)."""
+
+    def __init__(self, d: LayerDims, input_norm: bool = True):
+        super().__init__()
+        d_in = d.input_size or d.hidden_size
+        self.input_layernorm = RMSNorm(d_in, d.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = Attention(d)
+        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.mlp = MLP(d)
+
+    def forward(self, x: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                kv: LayerKV | None = None) -> Tensor:
+        # x: (B, T, d_in) attention input; residual: (B, T, H) the stream the output adds to.
+        h = residual + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def causal_mask(valid: Tensor) -> Tensor:
+    """(B, T) validity -> (B, 1, T, T) bool: causal, padding keys hidden, every row sees itself."""
+    T = valid.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
+    mask = causal[None] & valid[:, None, :].bool()
+    return (mask | torch.eye(T, dtype=torch.bool, device=valid.device)[None]).unsqueeze(1)
+
+
+def cached_mask(slot_valid: Tensor, num_new: int) -> Tensor:
+    """Mask for `num_new` queries appended after the cache: (B, 1, num_new, S) bool.
+
+    slot_valid: (B, S) validity of every slot *including* the new ones (the last num_new).
+    Query j sits at slot S - num_new + j and sees valid slots at or before it, and always itself.
+    """
+    B, S = slot_valid.shape
+    q_slot = torch.arange(S - num_new, S, device=slot_valid.device)  # (num_new,)
+    k_slot = torch.arange(S, device=slot_valid.device)
+    causal = k_slot[None, :] <= q_slot[:, None]  # (num_new, S)
+    own = k_slot[None, :] == q_slot[:, None]
+    return ((causal[None] & slot_valid[:, None, :].bool()) | own[None]).unsqueeze(1)

