@@ -1,0 +1,37 @@
+"""`draftkit` subcommands: thin shells over the modules that do the work.
+
+Each command lives in a module exposing `add_arguments(parser)` and `run(args) -> int`; modules are
+imported only when their command runs, so `draftkit eval` never imports DeepSpeed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("draftkit.train.run", "train a head from a recipe (same as draftkit/train/run.py)"),
+    "eval": ("draftkit.inference.evaluate", "measure real acceptance and speedup of a head"),
+    "export": ("draftkit.export.cli", "write a head in a serving format (vllm, sglang, speculators)"),
+    "import": ("draftkit.export.cli_import", "convert a serving-format or published head into draftkit"),
+    "inspect": ("draftkit.export.cli_inspect", "say what a head directory is and check it against a target"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="draftkit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    cmd = argparse.ArgumentParser(prog=f"draftkit {argv[0]}", description=COMMANDS[argv[0]][1])
+    module.add_arguments(cmd)
+    return int(module.run(cmd.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
