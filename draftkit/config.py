@@ -10,17 +10,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A recipe that does not fit its schema; the message names the dotted path."""
+from draftkit.distill.regenerate import GenerationSettings
+from draftkit.distill.sources import PromptSource
+from draftkit.distill.synthesize import SynthesisSettings
+from draftkit.schema import ConfigError, apply_override, from_dict, parse_override
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,44 +39,13 @@ class TargetConfig:
 
 
 @dataclass
-class SourceConfig:
-    # JSON/JSONL file, saved `datasets` directory, or a `datasets` hub id.
-    path: str = ""
-    # Relative sampling weight when several sources are mixed.
-    weight: float = 1.0
-    # Split to read for `datasets` ids and saved datasets.
-    split: str = "train"
-
-
-@dataclass
-class SynthesizeConfig:
-    # Sampling temperature for Magpie-style prompt synthesis (the target writes user turns).
-    temperature: float = 1.0
-    top_p: float = 0.95
-    # Longest synthesized user turn, in tokens.
-    max_new_tokens: int = 96
-    # Prompts shorter or longer than this (characters) are dropped.
-    min_chars: int = 16
-    max_chars: int = 1500
-
-
-@dataclass
-class ResponseConfig:
-    # Longest regenerated response, in tokens.
-    max_new_tokens: int = 256
-    # Sampling settings of the target while regenerating (0 = greedy).
-    temperature: float = 0.7
-    top_p: float = 0.95
-    # Prompts per generation batch (throughput on CPU peaks around 16-32).
-    batch_size: int = 16
-
-
-@dataclass
 class DataConfig:
     # Prompt sources; empty = the target synthesizes its own prompts (Magpie).
-    sources: list[SourceConfig] = field(default_factory=list)
-    synthesize: SynthesizeConfig = field(default_factory=SynthesizeConfig)
-    responses: ResponseConfig = field(default_factory=ResponseConfig)
+    sources: list[PromptSource] = field(default_factory=list)
+    # Magpie-style synthesis settings, used when `sources` is empty.
+    synthesize: SynthesisSettings = field(default_factory=SynthesisSettings)
+    # How the target regenerates responses (self-distillation).
+    responses: GenerationSettings = field(default_factory=GenerationSettings)
     # Longest training sample (prompt + response) in tokens.
     max_length: int = 512
     # What to do with longer samples: cut them at max_length, or drop them.
@@ -164,100 +132,6 @@ class Recipe:
         d.get("train", {}).pop("resume", None)
         d.pop("logging", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------
-# Generic dataclass <- mapping conversion
-# ---------------------------------------------------------------------------------------------
-def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Build dataclass `cls` from a mapping, checking every key and type; errors name the path."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'recipe'}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        where = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(f"unknown key '{where}'; allowed: {', '.join(sorted(fields))}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {name: _convert(hints[name], value, _join(path, name)) for name, value in data.items()}
-    return cls(**kwargs)
-
-
-def _join(path: str, name: str | int) -> str:
-    return f"{path}[{name}]" if isinstance(name, int) else (f"{path}.{name}" if path else name)
-
-
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(arg, value, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {tp}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, _join(path, i)) for i, (a, v) in enumerate(zip(args, value)))
-        item = args[0] if args else Any
-        out = [_convert(item, v, _join(path, i)) for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return dict(value)
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true/false, got {value!r}")
-        return value
-    if tp in (int, str):
-        if not isinstance(value, tp) or isinstance(value, bool):
-            raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
-        return value
-    return value
-
-
-# ---------------------------------------------------------------------------------------------
-# Files and overrides
-# ---------------------------------------------------------------------------------------------
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b=c` -> (["a", "b"], c) with c parsed as YAML (numbers, booleans, lists, null)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key.path=value")
-    key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
-
-
-def apply_override(data: dict, keys: list[str], value: Any) -> None:
-    node = data
-    for i, key in enumerate(keys[:-1]):
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {'.'.join(keys)}: {'.'.join(keys[:i + 1])} is not a mapping")
-        node = child
-    node[keys[-1]] = value
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:

@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from draftkit.config import ConfigError, from_dict
+from draftkit.schema import ConfigError, from_dict
 from draftkit.heads.layers import LayerDims
 
 SampleFn = Callable[[Tensor], tuple[Tensor, Tensor | None]]
