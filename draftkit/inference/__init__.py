@@ -1,0 +1,2 @@
+"""Inference: the draft-verify loop, the rejection sampler (torch reference + Triton kernels),
+evaluation."""
