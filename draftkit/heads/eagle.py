@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
-from draftkit.heads.layers import DecoderLayer, LayerKV, cached_mask, causal_mask
+from draftkit.heads.layers import (ChainState, DecoderLayer, LayerKV, cached_mask, causal_mask,  # noqa: F401
+                                   last_valid, masked_mean)
 from draftkit.target import FINAL
 
 
@@ -29,35 +30,11 @@ class EagleConfig(HeadConfig):
     # Loss weights: feature regression (SmoothL1) and token distribution (KL), as in the paper.
     w_feat: float = 1.0
     w_tok: float = 0.1
-    # Bias on fc. The EAGLE-1 reference has one; vLLM's llama_eagle loads either.
-    fc_bias: bool = True
+    # Bias on fc. The EAGLE-1 reference has one, but vLLM's llama_eagle builds fc without bias,
+    # so the default is off to keep every trained head servable there (SGLang gets a zero bias).
+    fc_bias: bool = False
     # Target layers the head reads: the final norm output (see draftkit.target for the convention).
     feature_layers: list[int] = field(default_factory=lambda: [FINAL])
-
-
-@dataclass
-class ChainState:
-    """Draft-time KV cache of a chain head, with per-row positions and hole-aware validity."""
-
-    kv: list[LayerKV]
-    slot_valid: Tensor  # (B, S) bool: slot holds a real (confirmed or current-speculative) entry
-    next_pos: Tensor  # (B,) rotary position of the next confirmed entry of each row
-    confirmed: int = 0  # slots [0, confirmed) are confirmed; later ones are last call's speculation
-
-    def drop_speculation(self) -> None:
-        for layer in self.kv:
-            layer.truncate(self.confirmed)
-        self.slot_valid = self.slot_valid[:, : self.confirmed]
-
-
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def last_valid(x: Tensor, valid: Tensor) -> Tensor:
-    """x (B, n, ...) -> (B, ...) at the last valid index of each row (index 0 if none)."""
-    idx = (valid.long().cumsum(1).argmax(1))  # (B,) last position where the running count peaks
-    return x[torch.arange(x.shape[0], device=x.device), idx]
 
 
 class EagleHead(DraftHead):

@@ -143,3 +143,28 @@ def cached_mask(slot_valid: Tensor, num_new: int) -> Tensor:
     causal = k_slot[None, :] <= q_slot[:, None]  # (num_new, S)
     own = k_slot[None, :] == q_slot[:, None]
     return ((causal[None] & slot_valid[:, None, :].bool()) | own[None]).unsqueeze(1)
+
+
+@dataclass
+class ChainState:
+    """Draft-time KV cache of a chain head, with per-row positions and hole-aware validity."""
+
+    kv: list[LayerKV]
+    slot_valid: Tensor  # (B, S) bool: slot holds a real (confirmed or current-speculative) entry
+    next_pos: Tensor  # (B,) rotary position of the next confirmed entry of each row
+    confirmed: int = 0  # slots [0, confirmed) are confirmed; later ones are last call's speculation
+
+    def drop_speculation(self) -> None:
+        for layer in self.kv:
+            layer.truncate(self.confirmed)
+        self.slot_valid = self.slot_valid[:, : self.confirmed]
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def last_valid(x: Tensor, valid: Tensor) -> Tensor:
+    """x (B, n, ...) -> (B, ...) at the last valid index of each row (index 0 if none)."""
+    idx = (valid.long().cumsum(1).argmax(1))  # (B,) last position where the running count peaks
+    return x[torch.arange(x.shape[0], device=x.device), idx]

@@ -1,0 +1,271 @@
+"""EAGLE-3 (Li et al., 2025): fuse three target layers, draft over a reduced vocabulary, train with
+the draft's own outputs fed back (training-time test, TTT).
+
+At position t the head sees g_t = fc([l_t; m_t; h_t]) (three target layers, 3H -> H) and x_{t+1}:
+    o_t   = midlayer([input_layernorm(embed(x_{t+1})); hidden_norm(g_t)])   (q/k/v read 2H; residual g_t)
+    p̂     = softmax(lm_head(norm(o_t)))       over the N draft tokens; predicts x_{t+2}
+Draft step i > 0 feeds its own o (pre-norm) back in place of g, with the next token. Training
+unrolls `ttt_steps` such steps (step i at position t: token x_{t+1+i}, rotary position t+i) and
+each query attends to step-0 keys at positions <= t plus the keys of ITS OWN earlier steps at t
+(the "diagonal"): exactly the cache sequential drafting builds after the prefix 0..t.
+Loss = sum_i ttt_decay^i * KL(p_target restricted to the draft vocab, renormalised || p̂_i).
+
+Parameter names follow the EAGLE-3 reference / vLLM llama_eagle3 checkpoints (fc, midlayer.*,
+norm, lm_head, d2t, t2d); vLLM loads `midlayer.` as `layers.0.` and `d2t` as draft_id_to_target_id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
+from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, cached_mask,
+                                   causal_mask, last_valid)
+
+
+@dataclass
+class Eagle3Config(HeadConfig):
+    type: str = "eagle3"
+    # Target layers fused by fc, low / middle / high, in draftkit's convention (draftkit.target):
+    # index i = residual stream ENTERING decoder layer i = transformers hidden_states[i]. None =
+    # the EAGLE-3 reference default (2, N//2, N-3) for an N-layer target. vLLM's and SGLang's
+    # eagle_aux_hidden_state_layer_ids use this same convention; SpecForge's aux_hidden_states_layers
+    # name the layer whose OUTPUT is taken (its default is [1, N//2-1, N-4]): add 1 to convert.
+    feature_layers: list[int] | None = None
+    # Size N of the draft vocabulary: the N most frequent tokens of the training responses
+    # (set by the trainer through head.set_draft_vocab). None = min(32000, target vocab), as the
+    # reference uses 32k for Llama-3's 128k vocabulary. Must not exceed the target's vocabulary.
+    draft_vocab_size: int | None = None
+    # Training-time test: drafting steps unrolled per training sample, and the weight of step i.
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    # Start lm_head from the target's lm_head rows of the draft tokens ("target") or at random
+    # as the reference does ("random").
+    lm_head_init: Literal["target", "random"] = "target"
+
+    def fill_from_target(self, target) -> None:
+        super().fill_from_target(target)
+        n = target.num_layers
+        if self.feature_layers is None:
+            self.feature_layers = [2, n // 2, n - 3]
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = min(32000, target.vocab_size)
+
+
+def token_counts(tokens: Tensor | Iterable, vocab_size: int) -> Tensor:
+    """Counts (V,) of token ids given as a tensor, or an iterable of samples (lists / tensors)."""
+    if not isinstance(tokens, Tensor):
+        parts = [torch.as_tensor(s, dtype=torch.long).flatten() for s in tokens]
+        tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    tokens = tokens.flatten().long().cpu()
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise HeadError(f"draft vocabulary: token ids must lie in 0..{vocab_size - 1}, "
+                        f"got {tokens.min().item()}..{tokens.max().item()}")
+    return torch.bincount(tokens, minlength=vocab_size)
+
+
+def build_draft_vocab(size: int, vocab_size: int, *, tokens: Tensor | Iterable | None = None,
+                      counts: Tensor | Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    """The `size` most frequent tokens (ties: lower id first) -> (d2t (N,) long, t2d (V,) bool).
+
+    As the EAGLE-3 reference: draft id j <-> target id j + d2t[j], draft ids in ascending target
+    id order, t2d[v] = v is in the draft vocabulary. Tokens never seen fill up by id order.
+    """
+    if not 0 < size <= vocab_size:
+        raise HeadError(f"head.draft_vocab_size: {size} must be in 1..{vocab_size} (the target's vocabulary)")
+    if (tokens is None) == (counts is None):
+        raise HeadError("draft vocabulary: give exactly one of tokens= or counts=")
+    c = token_counts(tokens, vocab_size) if counts is None else torch.as_tensor(counts).flatten().cpu()
+    if c.numel() != vocab_size:
+        raise HeadError(f"draft vocabulary: counts has {c.numel()} entries, the target vocabulary {vocab_size}")
+    order = torch.sort(c.double(), descending=True, stable=True).indices  # most frequent, low id first
+    used = order[:size].sort().values  # (N,) target ids, ascending
+    d2t = used - torch.arange(size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+class Eagle3Layer(DecoderLayer):
+    """The one decoder layer: embedding and hidden normalised apart, concatenated for q/k/v (2H)."""
+
+    def __init__(self, d: LayerDims):
+        super().__init__(d, input_norm=False)
+        self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)  # on the fused / own hidden
+
+    def forward(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                kv: LayerKV | None = None) -> Tensor:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        h = hidden + self.self_attn(x, cos, sin, mask, kv)  # residual: the un-normalised hidden
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(DraftHead):
+    family = "eagle3"
+    config_class = Eagle3Config
+
+    def __init__(self, config: Eagle3Config, shared=None):
+        super().__init__(config, shared)
+        H, V = config.hidden_size, config.vocab_size
+        N = config.draft_vocab_size or V
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = Eagle3Layer(config.layer_dims(input_size=2 * H))
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, N, bias=False)
+        # Until set_draft_vocab: the first N token ids (the identity when N = V).
+        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[:N] = True
+        self.register_buffer("t2d", t2d)
+        if shared is not None:
+            self._init_lm_head()
+
+    @classmethod
+    def feature_layers_of(cls, config: Eagle3Config) -> tuple[int, ...]:
+        return tuple(config.feature_layers or ())
+
+    @classmethod
+    def validate(cls, config: Eagle3Config, target) -> None:
+        if config.feature_layers is None or len(config.feature_layers) != 3:
+            raise HeadError("head.feature_layers: EAGLE-3 fuses exactly three target layers, "
+                            f"got {config.feature_layers}")
+        super().validate(config, target)
+        if not 0 < config.draft_vocab_size <= target.vocab_size:
+            raise HeadError(f"head.draft_vocab_size: {config.draft_vocab_size} must be in 1..{target.vocab_size} "
+                            f"(the vocabulary of target {target.name})")
+        if config.ttt_steps < 1:
+            raise HeadError(f"head.ttt_steps: must be >= 1, got {config.ttt_steps}")
+
+    # ---- the draft vocabulary ----
+    @property
+    def draft_ids(self) -> Tensor:
+        """(N,) the target id of every draft id."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, tokens: Tensor | Iterable | None = None, *, counts: Tensor | None = None) -> None:
+        """Pick the draft vocabulary from the training responses; call once BEFORE training.
+
+        tokens: the (loss-masked) response token ids, as one tensor or an iterable of samples;
+        counts: (V,) token frequencies instead. Writes the d2t / t2d buffers (saved with the
+        head) and, with lm_head_init="target", restarts lm_head from the target's rows.
+        """
+        d2t, t2d = build_draft_vocab(self.d2t.shape[0], self.t2d.shape[0], tokens=tokens, counts=counts)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        if self._shared is not None:
+            self._init_lm_head()
+
+    @torch.no_grad()
+    def _init_lm_head(self) -> None:
+        if self.config.lm_head_init == "target":
+            w = self.shared.lm_head.weight
+            self.lm_head.weight.copy_(w[self.draft_ids.to(w.device)].to(self.lm_head.weight))
+
+    def to_target_logits(self, logits: Tensor) -> Tensor:
+        """(..., N) draft logits -> (..., V) target logits, -inf off the draft vocabulary."""
+        out = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, logits)
+
+    # ---- the network ----
+    def forward(self, hidden: Tensor, ids: Tensor, positions: Tensor, mask: Tensor,
+                kv: LayerKV | None = None) -> Tensor:
+        # hidden: (B, T, H) fused g_t or own o; ids: (B, T) next tokens; mask: (B, 1, T, S)
+        dtype = self.fc.weight.dtype
+        cos, sin = self.cos_sin(positions, dtype)
+        return self.midlayer(self.embed(ids, dtype), hidden.to(dtype), cos, sin, mask, kv)  # (B, T, H) o
+
+    def logits(self, o: Tensor) -> Tensor:
+        return self.lm_head(self.norm(o)).float()  # (..., N)
+
+    # ---- training ----
+    def unroll(self, features, steps: int | None = None) -> list[Tensor]:
+        """TTT forward: the pre-norm outputs o of steps 0..steps-1, each (B, T-1, H).
+
+        Step i at position t consumes token x_{t+1+i} and predicts x_{t+2+i}; its query sees
+        step-0 keys at positions <= t (causal, padding hidden) and its own steps 1..i at t.
+        """
+        steps = steps or self.config.ttt_steps
+        ids, attn = features.input_ids, features.attention_mask.bool()
+        B, T = ids.shape
+        L = T - 1
+        pair = attn[:, :-1] & attn[:, 1:]  # (B, L) (g_t, x_{t+1}) both real
+        causal = causal_mask(pair)  # (B, 1, L, L) step-0 block
+        own = torch.eye(L, dtype=torch.bool, device=ids.device).expand(B, 1, L, L)  # the diagonal
+        padded = torch.cat([ids, ids.new_zeros(B, steps)], dim=1)  # tokens past the end: never supervised
+        h = self.fc(features.hidden[:, :-1].to(self.fc.weight.dtype))  # (B, L, H) g_t
+        kv, outs = LayerKV(), []
+        for i in range(steps):
+            pos = torch.arange(i, L + i, device=ids.device).expand(B, -1)
+            mask = torch.cat([causal] + [own] * i, dim=-1)  # (B, 1, L, (i+1) L)
+            h = self(h, padded[:, 1 + i: 1 + i + L], pos, mask, kv)
+            outs.append(h)
+        return outs
+
+    def loss(self, features) -> dict[str, Tensor]:
+        c = self.config
+        ids, attn = features.input_ids, features.attention_mask.bool()
+        lm = (features.loss_mask if features.loss_mask is not None else attn).bool() & attn
+        T = ids.shape[1]
+        outs = self.unroll(features)
+        total, metrics = 0.0, {}
+        for i, o in enumerate(outs):
+            # Step i at t predicts x_{t+2+i}: supervised when that is a loss token (t < n); the
+            # target's distribution for it sits at t+1+i.
+            n = max(T - 2 - i, 0)
+            sup = torch.zeros_like(attn[:, :-1])  # (B, T-1)
+            sup[:, :n] = lm[:, 2 + i:] & attn[:, :n] & attn[:, 1:1 + n]
+            kl, acc, used = self.step_loss(o[sup], features.final_hidden[:, 1 + i: 1 + i + n][sup[:, :n]])
+            total = total + c.ttt_decay ** i * kl
+            metrics[f"kl_{i}"], metrics[f"acc_{i}"] = kl.detach(), acc
+            metrics.setdefault("tokens", torch.tensor(float(used)))
+        return {"loss": total, "acc": metrics["acc_0"], **metrics}
+
+    def step_loss(self, o: Tensor, target_final: Tensor) -> tuple[Tensor, Tensor, int]:
+        """KL over M supervised positions: o (M, H), target_final (M, H) -> (kl, acc, M)."""
+        draft_logp = F.log_softmax(self.logits(o), dim=-1)  # (M, N)
+        with torch.no_grad():
+            tgt = self.target_logits(target_final)  # (M, V)
+            top = tgt.argmax(-1)  # (M,)
+            tgt_logp = F.log_softmax(tgt[:, self.draft_ids], dim=-1)  # (M, N) renormalised on the draft vocab
+            in_vocab = self.t2d[top].float()  # the reference drops positions whose top-1 the draft cannot say
+        kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)  # (M,)
+        M = o.shape[0]
+        kl = (kl * in_vocab).sum() / in_vocab.sum().clamp(min=1)
+        acc = (self.draft_ids[draft_logp.argmax(-1)] == top).float().sum().detach() / max(M, 1)
+        return kl, acc, M
+
+    # ---- drafting ----
+    def new_draft_state(self, batch_size: int) -> ChainState:
+        dev = self.fc.weight.device
+        return ChainState([LayerKV()], torch.zeros(batch_size, 0, dtype=torch.bool, device=dev),
+                          torch.zeros(batch_size, dtype=torch.long, device=dev))
+
+    def _step(self, state: ChainState, hidden: Tensor, ids: Tensor, valid: Tensor, positions: Tensor) -> Tensor:
+        state.slot_valid = torch.cat([state.slot_valid, valid.bool()], dim=1)
+        return self(hidden, ids, positions, cached_mask(state.slot_valid, ids.shape[1]), state.kv[0])
+
+    @torch.no_grad()
+    def draft(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
+              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+        state.drop_speculation()
+        # 1. Consume the newly confirmed (fused feature, next token) pairs: (B, n).
+        positions = state.next_pos[:, None] + valid.long().cumsum(1) - 1
+        g = self.fc(feats.to(self.fc.weight.dtype))  # (B, n, H)
+        o = last_valid(self._step(state, g, next_tokens, valid, positions.clamp(min=0)), valid)  # (B, H)
+        state.confirmed += valid.shape[1]
+        state.next_pos = state.next_pos + valid.long().sum(1)
+        # 2. Chain k drafts over the draft vocabulary, mapped back to target ids before sampling.
+        tokens, probs = [], []
+        ones = torch.ones(o.shape[0], 1, dtype=torch.bool, device=o.device)
+        for i in range(k):
+            tok, prob = sample(self.to_target_logits(self.logits(o)))  # (B,), (B, V) | None
+            tokens.append(tok)
+            probs.append(prob)
+            if i + 1 < k:
+                o = self._step(state, o[:, None], tok[:, None], ones, (state.next_pos + i)[:, None])[:, 0]
+        return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)

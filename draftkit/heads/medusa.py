@@ -1,0 +1,171 @@
+"""Medusa-1 (Cai et al., 2024): K extra heads on the frozen target's last hidden state.
+
+Head i (0-based) reads f_t, the final-norm output the target's lm_head reads at position t:
+    z     = f_t + SiLU(W_j f_t + b_j)   for each of its L residual blocks j (W, b start at 0: identity)
+    p̂_i   = softmax(lm_head_i(z))       predicts x_{t+i+2}, i.e. i+1 tokens past the target's own x_{t+1}
+Self-distilled Medusa-1 loss (target frozen): sum_i w_i KL(p_target(. | position t+i+1) || p̂_i).
+Drafting is a chain of independent guesses, no tree and no KV cache: after the target samples
+x_new at position p, head i's sample from f_p is draft token i (0-based), i.e. x_{p+i+2}.
+Names follow the Medusa reference (medusa_head.{i}.{j}.linear, medusa_head.{i}.{L} = lm_head).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
+from draftkit.heads.layers import last_valid
+from draftkit.target import FINAL
+
+
+@dataclass
+class MedusaConfig(HeadConfig):
+    type: str = "medusa"
+    # K: heads, i.e. the most tokens one draft proposes (max_draft_tokens).
+    num_heads: int = 4
+    # L: residual blocks per head (the Medusa paper uses 1).
+    num_layers: int = 1
+    # True: every head reads through the target's frozen lm_head (V x H fewer params per head);
+    # False: each head owns an lm_head, initialised from the target's.
+    share_lm_head: bool = False
+    # Loss weight of head i: head_weights[i] if given, else weight_decay_per_head ** i (paper: 0.8).
+    head_weights: list[float] | None = None
+    weight_decay_per_head: float = 0.8
+    # The target layer the heads read: the final norm output (see draftkit.target); fixed.
+    feature_layers: list[int] = field(default_factory=lambda: [FINAL])
+
+    def weights(self) -> list[float]:
+        return list(self.head_weights) if self.head_weights is not None else \
+            [self.weight_decay_per_head ** i for i in range(self.num_heads)]
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Linear(x)), zero-initialised so a new block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+@dataclass
+class MedusaState:
+    """Medusa keeps no cache: only each row's newest confirmed feature (rows that send none keep it)."""
+
+    last: Tensor | None = None  # (B, H)
+
+
+class MedusaHead(DraftHead):
+    family = "medusa"
+    config_class = MedusaConfig
+
+    def __init__(self, config: MedusaConfig, shared=None):
+        super().__init__(config, shared)
+        H, V = config.hidden_size, config.vocab_size
+
+        def one_head() -> nn.Sequential:
+            blocks = [ResBlock(H) for _ in range(config.num_layers)]  # distinct weights per block
+            return nn.Sequential(*blocks, *([] if config.share_lm_head else [nn.Linear(H, V, bias=False)]))
+
+        self.medusa_head = nn.ModuleList(one_head() for _ in range(config.num_heads))
+        if shared is not None and not config.share_lm_head:
+            with torch.no_grad():
+                for head in self.medusa_head:
+                    head[-1].weight.copy_(shared.lm_head.weight.to(head[-1].weight))
+
+    @classmethod
+    def feature_layers_of(cls, config: MedusaConfig) -> tuple[int, ...]:
+        return tuple(config.feature_layers)
+
+    @classmethod
+    def validate(cls, config: MedusaConfig, target) -> None:
+        super().validate(config, target)
+        if list(config.feature_layers) != [FINAL]:
+            raise HeadError(f"head.feature_layers: Medusa reads the final norm output [{FINAL}], "
+                            f"got {config.feature_layers}")
+        if config.num_heads < 1:
+            raise HeadError(f"head.num_heads: Medusa needs at least one head, got {config.num_heads}")
+        if config.num_layers < (1 if config.share_lm_head else 0):
+            raise HeadError(f"head.num_layers: must be >= {int(config.share_lm_head)} "
+                            f"(share_lm_head={config.share_lm_head}), got {config.num_layers}")
+        if config.head_weights is not None and len(config.head_weights) != config.num_heads:
+            raise HeadError(f"head.head_weights: {len(config.head_weights)} weights for {config.num_heads} heads")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.config.num_heads
+
+    # ---- the network ----
+    def head_logits(self, i: int, f: Tensor) -> Tensor:
+        """(..., H) final-norm features -> (..., V) float32 logits of head i."""
+        head = self.medusa_head[i]
+        z = head(f.to(next(head.parameters()).dtype))
+        return self.target_logits(z) if self.config.share_lm_head else z.float()
+
+    # ---- training ----
+    def loss(self, features) -> dict[str, Tensor]:
+        f, final = features.hidden, features.final_hidden  # (B, T, H) both the final norm output
+        attn = features.attention_mask.bool()
+        lm = (features.loss_mask if features.loss_mask is not None else attn).bool() & attn
+        T = f.shape[1]
+        total, metrics = 0.0, {}
+        for i, w in enumerate(self.config.weights()):
+            n = max(T - 2 - i, 0)  # positions t whose x_{t+i+2} exists
+            sup = lm[:, 2 + i:] & attn[:, :n]  # (B, n)
+            logp = F.log_softmax(self.head_logits(i, f[:, :n][sup]), dim=-1)  # (M, V)
+            with torch.no_grad():
+                tgt = self.target_logits(final[:, 1 + i: 1 + i + n][sup])  # target at t+i+1 -> x_{t+i+2}
+                tgt_logp = F.log_softmax(tgt, dim=-1)
+            M = max(logp.shape[0], 1)
+            kl = (tgt_logp.exp() * (tgt_logp - logp)).sum() / M
+            total = total + w * kl
+            metrics[f"kl_{i}"] = kl.detach()
+            metrics[f"acc_{i}"] = (logp.argmax(-1) == tgt.argmax(-1)).float().sum().detach() / M
+            metrics.setdefault("tokens", torch.tensor(float(logp.shape[0])))
+        return {"loss": total, "acc": metrics["acc_0"], **metrics}
+
+    # ---- drafting ----
+    def new_draft_state(self, batch_size: int) -> MedusaState:
+        return MedusaState()
+
+    @torch.no_grad()
+    def draft(self, state: MedusaState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
+              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+        if not 1 <= k <= self.config.num_heads:
+            raise HeadError(f"Medusa drafts 1..{self.config.num_heads} tokens (head.num_heads), asked for k={k}")
+        f = last_valid(feats, valid)  # (B, H) feature of the position whose next token is x_new
+        if state.last is not None:
+            f = torch.where(valid.any(1, keepdim=True), f, state.last)
+        state.last = f
+        tokens, probs = [], []
+        for i in range(k):
+            tok, prob = sample(self.head_logits(i, f))  # (B,), (B, V) | None
+            tokens.append(tok)
+            probs.append(prob)
+        return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
+
+
+def typical_acceptance(draft_tokens: Tensor, target_probs: Tensor, epsilon: float = 0.09,
+                       delta: float = 0.3) -> Tensor:
+    """Medusa's typical acceptance: LOSSY (output no longer follows the target's distribution).
+
+    draft_tokens (B, k); target_probs (B, k, V) the target's (temperature-processed) distribution
+    at each draft position. Draft i is accepted when p(draft_i) > min(epsilon, delta * exp(-H(p)))
+    (H = entropy): likely enough, with a bar that drops as the target grows uncertain. Returns
+    num_accepted (B,), the accepted prefix length in 0..k; the caller then takes one token from
+    the target at position num_accepted, as with any verify rule. Medusa's defaults: the
+    posterior_threshold epsilon = 0.09 and posterior_alpha delta = 0.3.
+    """
+    p = target_probs.float()
+    entropy = -(p * torch.log(p.clamp(min=1e-10))).sum(-1)  # (B, k)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    p_draft = p.gather(-1, draft_tokens.long().clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, k)
+    ok = (p_draft > threshold) & (draft_tokens >= 0)
+    return ok.long().cumprod(1).sum(1)  # (B,) leading run of accepted drafts
