@@ -1,0 +1,46 @@
+"""`draftkit export HEAD_DIR --format FORMAT --out DIR`: write a head in a serving engine's layout."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from draftkit.export.formats import FORMATS
+
+
+def add_target_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--target", nargs="?", const="", default=None, metavar="MODEL",
+                        help=f"{help_text} (a model dir, .gguf or hub id; no value = the embedded default)")
+
+
+def load_target_arg(value: str | None):
+    if value is None:
+        return None
+    from draftkit.target import load_target
+
+    return load_target(value or None, dtype="float32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("head_dir", metavar="HEAD_DIR", help="a native head directory (what training writes)")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="the serving layout to write")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory to create")
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="cast the weights (default: keep the head's dtype)")
+    add_target_argument(parser, "check the head against this target first; needed when the engine "
+                                "must store a tensor the head shares with the target")
+
+
+def run(args: argparse.Namespace) -> int:
+    from draftkit.export.formats import ExportError, export_head
+    from draftkit.heads.base import HeadError
+    from draftkit.target import TargetError
+
+    try:
+        out = export_head(args.head_dir, args.format, args.out, target=load_target_arg(args.target),
+                          overwrite=args.overwrite, dtype=args.dtype)
+    except (ExportError, HeadError, TargetError) as e:
+        print(f"draftkit export: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.format} export to {out} (check it: draftkit inspect {out})")
+    return 0

@@ -1,0 +1,251 @@
+"""Export / import / inspect: every format round-trips to bit-identical draft logits, and bad input
+is refused with a message that names the tensor, field or file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftkit.export import ExportError, export_head, import_head
+from draftkit.export.cli_inspect import inspect_dir
+from draftkit.heads import build_head, load_head
+from tests.conftest import make_tiny_target
+
+FAMILY_SETTINGS = {
+    "eagle": {"type": "eagle", "num_layers": 2, "fc_bias": True},  # the EAGLE-1 reference's fc
+    "eagle_nobias": {"type": "eagle"},  # draftkit's default: vLLM's llama_eagle fc has no bias
+    "eagle3": {"type": "eagle3", "draft_vocab_size": 64, "feature_layers": [1, 2, 3]},
+    "medusa": {"type": "medusa", "num_heads": 3},
+    "medusa_shared": {"type": "medusa", "num_heads": 3, "share_lm_head": True},
+    "mtp": {"type": "mtp"},
+}
+ROUND_TRIPS = [
+    ("eagle", "draftkit"), ("eagle", "sglang"), ("eagle_nobias", "vllm"), ("eagle_nobias", "sglang"),
+    ("eagle3", "draftkit"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "speculators"),
+    ("medusa", "draftkit"), ("medusa", "vllm"), ("medusa_shared", "vllm"), ("mtp", "draftkit"),
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_target()
+
+
+def make_head(kind: str, target, directory: Path, recipe_hash: str = "r-123") -> Path:
+    head = build_head(dict(FAMILY_SETTINGS[kind]), target)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in head.parameters():  # non-trivial weights everywhere (zero-init blocks included)
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    if hasattr(head, "set_draft_vocab"):
+        head.set_draft_vocab(counts=torch.randint(0, 1000, (target.vocab_size,), generator=g))
+    head.save_pretrained(directory, extra={"recipe_hash": recipe_hash})
+    return directory
+
+
+def draft_logits(head, target, k: int = 3) -> list[torch.Tensor]:
+    """The logits every draft step samples from, on fixed inputs."""
+    seen: list[torch.Tensor] = []
+
+    def sample(logits):
+        seen.append(logits.clone())
+        return logits.argmax(-1), None
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, target.vocab_size, (2, 9), generator=g)
+    feats = target.features(ids, None, head.feature_layers).hidden
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, -2:] = False
+    head.draft(head.new_draft_state(2), feats[:, :-1], ids[:, 1:], valid, k, sample)
+    return seen
+
+
+@pytest.mark.parametrize("kind,fmt", ROUND_TRIPS)
+def test_round_trip_bit_identical(kind, fmt, target, tmp_path):
+    src = make_head(kind, target, tmp_path / "head")
+    out = export_head(src, fmt, tmp_path / "export", target=target if kind == "medusa_shared" else None)
+    cfg = json.loads((out / "config.json").read_text())
+    contract = cfg["draftkit_contract"]
+    assert contract["format"] == fmt and contract["recipe_hash"] == "r-123"
+    assert contract["target"]["fingerprint"] == target.fingerprint
+    assert contract["dtype"] == "float32" and contract["hidden_size"] == target.hidden_size
+    back = import_head(out, fmt, tmp_path / "back", target=target)
+    a, b = load_head(src, target), load_head(back, target)
+    assert a.state_dict().keys() == b.state_dict().keys()
+    for name, t in a.state_dict().items():
+        assert torch.equal(t, b.state_dict()[name]), name
+    for x, y in zip(draft_logits(a, target), draft_logits(b, target), strict=True):
+        assert torch.equal(x, y)
+    assert json.loads((back / "config.json").read_text())["recipe_hash"] == "r-123"
+    assert inspect_dir(out, target=target)["problems"] == []
+
+
+def test_engine_conventions_written(target, tmp_path):
+    src = make_head("eagle3", target, tmp_path / "head")
+    v = json.loads((export_head(src, "vllm", tmp_path / "v") / "config.json").read_text())
+    s = json.loads((export_head(src, "sglang", tmp_path / "s") / "config.json").read_text())
+    p = json.loads((export_head(src, "speculators", tmp_path / "p") / "config.json").read_text())
+    assert v["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM: captured before layer i
+    assert s["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang: output of layer k
+    assert s["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # what vLLM reads first
+    assert p["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert p["norm_before_residual"] is False and p["draft_vocab_size"] == 64
+    assert v["tie_word_embeddings"] is False and s["draft_vocab_size"] == 64
+    tensors = load_file(tmp_path / "v" / "model.safetensors")
+    assert "d2t" in tensors and "draft_id_to_target_id" not in tensors and "embed_tokens.weight" not in tensors
+    assert any(k.startswith("midlayer.") for k in tensors)
+    assert any(k.startswith("layers.0.") for k in load_file(tmp_path / "p" / "model.safetensors"))
+
+
+def test_refusals_name_what_is_missing(target, tmp_path):
+    eagle = make_head("eagle", target, tmp_path / "eagle")
+    with pytest.raises(ExportError, match="fc.bias"):  # vLLM's llama_eagle fc has no bias
+        export_head(eagle, "vllm", tmp_path / "o1")
+    with pytest.raises(ExportError, match="no EAGLE-1 model class"):
+        export_head(eagle, "speculators", tmp_path / "o2")
+    with pytest.raises(ExportError, match="unknown format 'tensorrt'"):
+        export_head(eagle, "tensorrt", tmp_path / "o3")
+    mtp = make_head("mtp", target, tmp_path / "mtp")
+    with pytest.raises(ExportError, match="llama layer"):
+        export_head(mtp, "vllm", tmp_path / "o4")
+    shared = make_head("medusa_shared", target, tmp_path / "medusa")
+    with pytest.raises(ExportError, match="--target"):  # vLLM needs the shared lm_head stored
+        export_head(shared, "vllm", tmp_path / "o5")
+    assert not any(p.name.startswith(".o") for p in tmp_path.iterdir())  # no temp dirs left behind
+
+
+def test_bad_input(target, tmp_path):
+    src = make_head("eagle", target, tmp_path / "head")
+    export_head(src, "sglang", tmp_path / "out")
+    with pytest.raises(ExportError, match="already exists"):
+        export_head(src, "sglang", tmp_path / "out")
+    export_head(src, "sglang", tmp_path / "out", overwrite=True)
+    # a truncated safetensors file
+    bad = tmp_path / "truncated"
+    bad.mkdir()
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:300])
+    with pytest.raises(ExportError, match="truncated"):
+        export_head(bad, "sglang", tmp_path / "o1")
+    # a config that disagrees with the tensors
+    cfg = json.loads((src / "config.json").read_text())
+    lie = tmp_path / "lie"
+    lie.mkdir()
+    (lie / "config.json").write_text(json.dumps({**cfg, "num_layers": 3}))
+    (lie / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    with pytest.raises(ExportError, match="missing"):
+        export_head(lie, "sglang", tmp_path / "o2")
+    # an export someone added a tensor to: the engine would skip it silently
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    save_file({**tensors, "layers.0.extra.weight": torch.zeros(2)}, tmp_path / "out" / "model.safetensors")
+    with pytest.raises(ExportError, match="layers.0.extra.weight"):
+        import_head(tmp_path / "out", "sglang", tmp_path / "o3")
+    assert "layers.0.extra.weight" in " ".join(inspect_dir(tmp_path / "out")["problems"])
+
+
+def test_inspect_checks_the_target(target, tmp_path):
+    src = make_head("eagle3", target, tmp_path / "head")
+    out = export_head(src, "sglang", tmp_path / "out")
+    report = inspect_dir(out, target=target)
+    assert report["problems"] == [] and report["family"] == "eagle3" and report["format"] == "sglang"
+    text = "\n".join(report["lines"])
+    assert "[0, 1, 2]" in text and "[1, 2, 3]" in text and "offset" in text
+    other = make_tiny_target(seed=1)
+    assert any("fingerprint" in p for p in inspect_dir(out, target=other)["problems"])
+    with pytest.raises(ExportError, match="fingerprint"):
+        import_head(out, "sglang", tmp_path / "back", target=other)
+    wider = make_tiny_target(hidden=48)
+    assert any("hidden_size" in p for p in inspect_dir(out, target=wider)["problems"])
+
+
+def test_import_published_layouts(target, tmp_path):
+    """Official release layouts: dims and target info come from --target; stored embeddings are checked."""
+    head = load_head(make_head("eagle", target, tmp_path / "native"), target)
+    sd = {k: v for k, v in head.state_dict().items()}
+    official = tmp_path / "eagle-official"
+    official.mkdir()
+    save_file({**sd, "embed_tokens.weight": target.embed_tokens.weight.detach().clone()},
+              official / "model.safetensors")
+    cfg = {"architectures": ["LlamaForCausalLM"], **{k: v for k, v in target.config.to_dict().items()
+                                                      if k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                               "num_key_value_heads", "rms_norm_eps", "vocab_size")},
+           "num_hidden_layers": 2, "hidden_act": "silu"}
+    (official / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="--target"):
+        import_head(official, "eagle-official", tmp_path / "x")
+    back = load_head(import_head(official, "eagle-official", tmp_path / "imported", target=target), target)
+    for x, y in zip(draft_logits(head, target), draft_logits(back, target), strict=True):
+        assert torch.equal(x, y)
+    with pytest.raises(ExportError, match="embed_tokens.weight"):
+        import_head(official, "eagle-official", tmp_path / "y", target=make_tiny_target(seed=2))
+
+    # Medusa-1 release: {i}.{j}.linear.*, {i}.{L}.weight, config with medusa_num_heads only
+    med = load_head(make_head("medusa", target, tmp_path / "med"), target)
+    rel = tmp_path / "medusa-official"
+    rel.mkdir()
+    save_file({k.removeprefix("medusa_head."): v for k, v in med.state_dict().items()},
+              rel / "medusa_lm_head.safetensors")
+    (rel / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    back = load_head(import_head(rel, "medusa-official", tmp_path / "med-imported", target=target), target)
+    for x, y in zip(draft_logits(med, target), draft_logits(back, target), strict=True):
+        assert torch.equal(x, y)
+
+    # EAGLE-3 release: no aux ids (engine default 2, N//2, N-3 of the target), t2d present
+    e3 = build_head({"type": "eagle3", "draft_vocab_size": 64}, target)
+    e3.save_pretrained(tmp_path / "e3")
+    vout = export_head(tmp_path / "e3", "vllm", tmp_path / "e3v")
+    cfg = json.loads((vout / "config.json").read_text())
+    for k in ("eagle_aux_hidden_state_layer_ids", "draftkit_contract"):
+        cfg.pop(k)
+    (vout / "config.json").write_text(json.dumps(cfg))
+    back = load_head(import_head(vout, "eagle3-official", tmp_path / "e3-imported", target=target), target)
+    assert back.feature_layers == e3.feature_layers
+    for x, y in zip(draft_logits(e3, target), draft_logits(back, target), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_cli(target, tmp_path, capsys):
+    from draftkit.cli import main
+
+    src = make_head("eagle3", target, tmp_path / "head")
+    assert main(["export", str(src), "--format", "vllm", "--out", str(tmp_path / "v")]) == 0
+    assert main(["export", str(src), "--format", "vllm", "--out", str(tmp_path / "v")]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["import", str(tmp_path / "v"), "--format", "vllm", "--out", str(tmp_path / "back")]) == 0
+    assert main(["inspect", str(tmp_path / "v")]) == 0
+    out = capsys.readouterr().out
+    assert "llama_eagle3.py" in out and "OK" in out
+    with pytest.raises(SystemExit):  # argparse: invalid choice, listing the formats
+        main(["export", str(src), "--format", "nope", "--out", str(tmp_path / "n")])
+
+
+def test_layer_zero_cannot_be_captured_by_vllm(target, tmp_path):
+    head = build_head({"type": "eagle3", "draft_vocab_size": 64, "feature_layers": [0, 2, 3]}, target)
+    head.save_pretrained(tmp_path / "head")
+    with pytest.raises(ExportError, match="layer 0"):
+        export_head(tmp_path / "head", "vllm", tmp_path / "v")
+    out = export_head(tmp_path / "head", "sglang", tmp_path / "s")  # SGLang id -1 = before layer 0
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 1, 2]
+
+
+@pytest.mark.integration
+def test_speculators_package_loads_export(tmp_path):
+    """benchmarks/check_speculators_load.py in speculators' own venv (~1 min; ~6 min more to create it)."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.check_speculators_load import SKIP, default_venv
+
+    venv = Path(os.environ.get("DRAFTKIT_SPECULATORS_VENV", default_venv()))
+    if not (venv / "bin" / "python").exists() and os.environ.get("DRAFTKIT_CHECK_SPECULATORS") != "1":
+        pytest.skip(f"no speculators venv at {venv}: set DRAFTKIT_CHECK_SPECULATORS=1 to create it (~6 min)")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "check_speculators_load.py"
+    r = subprocess.run([sys.executable, script, "--venv", venv, "--keep", tmp_path / "work"],
+                       capture_output=True, text=True)
+    if r.returncode == SKIP:
+        pytest.skip(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
