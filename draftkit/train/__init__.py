@@ -1,0 +1,1 @@
+"""Training: the launcher entry point (run.py) and the loop around DeepSpeed (loop.py)."""

@@ -1,0 +1,66 @@
+"""Process group setup that works under `deepspeed`, `torchrun` and plain `python`."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> Dist:
+    """Join (or, for plain `python`, create) the process group; gloo on CPU, nccl on CUDA."""
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if on_cuda:
+        torch.cuda.set_device(local)
+    device = torch.device("cuda", local) if on_cuda else torch.device("cpu")
+    return Dist(rank, world, local, device)
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def any_true(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any rank (a NaN on one rank stops all)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def mean_across(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
+        t /= torch.distributed.get_world_size()
+    return dict(zip(keys, t.tolist()))

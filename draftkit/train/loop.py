@@ -1,0 +1,293 @@
+"""The training loop: prepare data sized to the run, distill the head with DeepSpeed, export it."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from draftkit.config import Recipe
+from draftkit.heads import DraftHead, build_head
+from draftkit.target import Target, cache_root, load_target
+from draftkit.train import checkpoint
+from draftkit.train.data import FeatureStore, SampleOrder
+from draftkit.train.deepspeed_config import build_deepspeed_config, make_scheduler
+from draftkit.train.distributed import Dist, any_true, barrier, init_distributed, mean_across
+
+log = logging.getLogger("draftkit.train")
+FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_STEP"  # SIGKILL this process after that step (tests only)
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN/inf; the run stops and keeps the last good checkpoint."""
+
+
+class TrainWrapper(torch.nn.Module):
+    """What DeepSpeed drives: forward(features) = head.loss(features)."""
+
+    def __init__(self, head: DraftHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, features):
+        return self.head.loss(features)
+
+
+@dataclass
+class Prepared:
+    train: list[dict]
+    holdout_samples: list[dict]
+    holdout_prompts: list
+    stats: dict
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def samples_needed(recipe: Recipe, global_batch: int) -> int:
+    if recipe.data.num_prompts is not None:
+        return recipe.data.num_prompts
+    return max(1, math.ceil(recipe.train.max_steps * global_batch / max(1, recipe.train.epochs)))
+
+
+def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -> Prepared:
+    """Prompts -> target responses -> token samples (cached, content-keyed), plus held-aside ones."""
+    from draftkit.distill import build_samples, prepare_samples, regenerate
+
+    d = recipe.data
+    cache = Path(d.cache_dir) if d.cache_dir else cache_root() / "data"
+    common = dict(cache_dir=cache, target_id=f"{target.name}:{target.fingerprint}", rank=dist.rank,
+                  world_size=dist.world_size, barrier=barrier, progress=dist.is_main)
+    train, holdout_prompts, stats = prepare_samples(
+        target.model, target.tokenizer, sources=d.sources or None, num_samples=num_samples,
+        num_holdout=d.holdout, max_length=d.max_length, overlong=d.overlong, generation=d.responses,
+        synthesis=d.synthesize, seed=recipe.train.seed, **common)
+    if not train:
+        raise ValueError(f"data: no training samples left after filtering ({stats})")
+    holdout = []
+    if holdout_prompts:
+        convs = regenerate(target.model, target.tokenizer, holdout_prompts, d.responses, **common)
+        holdout, _ = build_samples(target.tokenizer, convs, d.max_length, d.overlong)
+    return Prepared(train, holdout, holdout_prompts, stats)
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.out = Path(recipe.output_dir)
+        self.dist = init_distributed()
+        self.main = self.dist.is_main
+        logging.basicConfig(level=logging.INFO if self.main else logging.WARNING,
+                            format="%(asctime)s %(name)s: %(message)s")
+        seed_everything(recipe.train.seed)
+        t = recipe.target
+        self.target = load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype,
+                                  trust_remote_code=t.trust_remote_code, device=self.dist.device)
+        self.head = build_head(recipe.head, self.target).to(self.dist.device)
+        self.ds_config = build_deepspeed_config(recipe, self.dist.world_size, self.dist.device.type == "cuda")
+        self.micro = self.ds_config["train_micro_batch_size_per_gpu"]
+        self.accum = self.ds_config["gradient_accumulation_steps"]
+        self.global_batch = self.micro * self.accum * self.dist.world_size
+        self.recipe_hash = recipe.fingerprint()
+        self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer is not None else 0
+        self.pad_id = 0 if self.pad_id is None else self.pad_id
+
+    # ---- setup ----
+    def prepare(self) -> None:
+        r = self.recipe
+        t0 = time.time()
+        self.data = prepare_data(r, self.target, self.dist, samples_needed(r, self.global_batch))
+        if self.main:
+            log.info("data: %d training samples, %d held-aside (%.0f s): %s", len(self.data.train),
+                     len(self.data.holdout_samples), time.time() - t0, json.dumps(self.data.stats, default=str))
+        if hasattr(self.head, "set_draft_vocab"):  # EAGLE-3: the most frequent response tokens
+            self.head.set_draft_vocab(tokens=[t for s in self.data.train
+                                              for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
+        self.order = SampleOrder(len(self.data.train), r.train.seed)
+        feature_dir = (Path(r.data.cache_dir) if r.data.cache_dir else cache_root()) / "features"
+        self.features = FeatureStore(self.target, self.head.feature_layers,
+                                     feature_dir if r.train.features == "offline" else None)
+
+    def build_engine(self) -> None:
+        import deepspeed
+
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=TrainWrapper(self.head), model_parameters=params, config=self.ds_config,
+            lr_scheduler=make_scheduler(self.recipe.train))
+
+    def resume(self) -> int:
+        r = self.recipe.train
+        root = self.out / "checkpoints"
+        if r.resume == "none":
+            return 0
+        if r.resume == "auto":
+            tag = checkpoint.latest(root)
+            if tag is None:
+                return 0
+        else:
+            path = Path(r.resume)
+            root, tag = path.parent, path.name
+            if not path.is_dir():
+                raise checkpoint.ResumeError(f"train.resume: no checkpoint directory at {path}")
+        client = checkpoint.load(self.engine, root, tag, self.dist.rank, self.recipe_hash)
+        if self.main:
+            log.info("resumed from %s at step %d", root / tag, client["step"])
+        return int(client["step"])
+
+    # ---- the loop ----
+    def micro_batch(self, step: int, micro: int):
+        idx = self.order.indices(step, micro, self.micro, self.accum, self.dist.world_size, self.dist.rank)
+        return self.features.batch([self.data.train[i] for i in idx], self.pad_id)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for micro in range(self.accum):
+            out = self.engine(self.micro_batch(step, micro))
+            loss = out["loss"]
+            if any_true(not torch.isfinite(loss).item(), self.dist.device):
+                raise NonFiniteLoss(f"step {step + 1}: loss is {loss.item()} (non-finite) on some rank; "
+                                    "stopping; the last good checkpoint is kept")
+            self.engine.backward(loss)
+            self.engine.step()
+            for k, v in out.items():
+                totals[k] = totals.get(k, 0.0) + float(v.detach()) / self.accum
+        return totals
+
+    @torch.no_grad()
+    def heldout_agreement(self) -> dict[str, float]:
+        """Top-1 agreement and loss on held-aside samples (never trained on)."""
+        if not self.data.holdout_samples:
+            return {}
+        self.head.eval()
+        stats = {"loss": 0.0, "acc": 0.0}
+        n = 0
+        for i in range(0, len(self.data.holdout_samples), self.micro):
+            chunk = self.data.holdout_samples[i: i + self.micro]
+            out = self.engine(self.features.batch(chunk, self.pad_id))
+            w = float(out["tokens"])
+            stats["loss"] += float(out["loss"]) * w
+            stats["acc"] += float(out["acc"]) * w
+            n += w
+        self.head.train()
+        return {f"heldout_{k}": v / max(n, 1) for k, v in stats.items()}
+
+    def speculative_eval(self) -> dict[str, float]:
+        """τ and α_i of the real draft-verify loop on held-aside prompts (recipe: train.eval_every)."""
+        from draftkit.inference.evaluate import evaluate
+
+        r = self.recipe.train
+        self.head.eval()
+        try:
+            rep = evaluate(self.target, self.head, self.data.holdout_prompts, k=r.eval_k,
+                           max_new_tokens=r.eval_max_new_tokens, baseline=False)
+        finally:
+            self.head.train()
+        out = {"tau": rep["tau"]}
+        out.update({f"alpha_{i + 1}": a for i, a in enumerate(rep["acceptance_per_position"])})
+        return out
+
+    def run(self) -> Path:
+        r = self.recipe.train
+        self.prepare()
+        self.build_engine()
+        start = self.resume()
+        logger = RunLogger(self.recipe, self.main)
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "recipe.json").write_text(json.dumps(self.recipe.to_dict(), indent=2, default=str))
+        bar = tqdm(total=r.max_steps, initial=start, disable=not self.main, desc="train", dynamic_ncols=True)
+        t_last, tok_last = time.time(), 0.0
+        for step in range(start, r.max_steps):
+            stats = self.train_step(step)
+            tok_last += stats.get("tokens", 0.0) * self.accum * self.dist.world_size
+            done = step + 1
+            if done % r.log_every == 0 or done == r.max_steps:
+                stats = mean_across(stats, self.dist.device)
+                stats["lr"] = self.scheduler.get_last_lr()[0]
+                stats["tokens_per_s"] = tok_last / max(time.time() - t_last, 1e-9)
+                t_last, tok_last = time.time(), 0.0
+                stats.update(self.heldout_agreement())
+                if r.eval_every and done % r.eval_every == 0:
+                    stats.update(self.speculative_eval())
+                logger.log(done, stats)
+                bar.set_postfix({k: f"{v:.3g}" for k, v in stats.items()
+                                 if k in ("loss", "acc", "heldout_acc", "tokens_per_s", "tau")})
+            bar.update(1)
+            if (r.save_every and done % r.save_every == 0) or done == r.max_steps:
+                checkpoint.save(self.engine, self.out / "checkpoints", done,
+                                {"step": done, "recipe_hash": self.recipe_hash}, self.dist.rank, r.keep_checkpoints)
+            if os.environ.get(FAULT_KILL) == str(done):  # fault injection for the kill-and-resume test
+                os.kill(os.getpid(), signal.SIGKILL)
+        bar.close()
+        head_dir = self.export()
+        logger.finish()
+        return head_dir
+
+    def export(self) -> Path:
+        """Write <output_dir>/head/ (config.json + model.safetensors), atomically, from rank 0."""
+        head_dir = self.out / "head"
+        params = list(self.head.parameters())
+        if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                if self.main:
+                    self._save_head(head_dir)
+        elif self.main:
+            self._save_head(head_dir)
+        barrier()
+        return head_dir
+
+    def _save_head(self, head_dir: Path) -> None:
+        extra = {"recipe_hash": self.recipe_hash, "train_steps": self.recipe.train.max_steps,
+                 "training_dtype": str(self.target.dtype).replace("torch.", "")}
+        self.head.save_pretrained(head_dir, extra=extra)
+        log.info("exported head to %s", head_dir)
+
+
+class RunLogger:
+    """wandb on rank 0 (offline without a key; WANDB_MODE wins) plus a JSONL log in output_dir."""
+
+    def __init__(self, recipe: Recipe, main: bool):
+        self.main, self.run = main, None
+        self.path = Path(recipe.output_dir) / "train_log.jsonl"
+        cfg = recipe.logging
+        if not main or cfg.wandb_project is None:
+            return
+        mode = os.environ.get("WANDB_MODE") or (cfg.wandb_mode if os.environ.get("WANDB_API_KEY") else "offline")
+        if mode == "disabled":
+            return
+        import wandb
+
+        self.run = wandb.init(project=cfg.wandb_project, name=cfg.run_name, mode=mode,
+                              dir=str(Path(recipe.output_dir)), config=recipe.to_dict())
+
+    def log(self, step: int, stats: dict[str, float]) -> None:
+        if not self.main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **stats}) + "\n")
+        if self.run is not None:
+            self.run.log(stats, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def train(recipe: Recipe) -> Path:
+    return Trainer(recipe).run()

@@ -1,0 +1,227 @@
+"""The training spine: recipes, data order, feature cache, DeepSpeed runs, kill-and-resume, export.
+
+Runs a tiny random llama saved as a model directory with the fixture tokenizer; the launcher tests
+start real `deepspeed` / `python` processes on CPU with gloo.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftkit.config import load_recipe
+from draftkit.schema import ConfigError
+from draftkit.train.data import FeatureStore, SampleOrder
+from draftkit.train.deepspeed_config import build_deepspeed_config, lr_lambda
+from tests.conftest import make_tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+VENV_BIN = Path(sys.executable).parent
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures: a tiny target directory and a prompt file
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id)
+    out = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    path.write_text("".join(json.dumps({"prompt": f"tell me about {w} and {v}"}) + "\n"
+                            for w in words for v in words[:3]))
+    return path
+
+
+def recipe_args(model_dir: Path, prompts: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    return [f"target.path={model_dir}", "target.dtype=float32", f"data.sources=[{{path: {prompts}}}]",
+            f"data.cache_dir={cache}", f"output_dir={out}", "data.holdout=2", "data.max_length=64",
+            "data.responses.max_new_tokens=12", "data.responses.batch_size=8", "train.micro_batch_size=2",
+            "train.log_every=2", "train.warmup_steps=2", "train.lr=0.003", "logging.wandb_project=null",
+            "head.type=eagle", *extra]
+
+
+def launch(cmd: list[str], timeout: int = 300, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def python_run(args: list[str], **kw) -> subprocess.CompletedProcess:
+    return launch([sys.executable, "draftkit/train/run.py", "recipes/quick.yaml", *args], **kw)
+
+
+def head_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "head" / "model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# recipes
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", ["quick", "eagle", "eagle3", "medusa", "mtp"])
+def test_every_recipe_loads_and_has_the_common_keys(recipe):
+    r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", ["train.max_steps=20", "output_dir=runs/try"])
+    assert r.train.max_steps == 20 and r.output_dir == "runs/try"
+    assert r.head["type"] == {"quick": "eagle"}.get(recipe, recipe)
+
+
+def test_recipe_typo_names_dotted_path_and_allowed_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'train.max_stepz'; allowed: .*max_steps"):
+        load_recipe(bad)
+    with pytest.raises(ConfigError, match=r"train.lr: expected a number, got 'fast'"):
+        load_recipe(None, ["train.lr=fast"])
+    with pytest.raises(ConfigError, match=r"data.overlong: 'cut' is not one of"):
+        load_recipe(None, ["data.overlong=cut"])
+    with pytest.raises(ConfigError, match="recipe file not found"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_deepspeed_section_is_deepspeeds_own_schema(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2,
+                              "train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.5}))
+    r = load_recipe(None, [f"deepspeed={ds}"])
+    cfg = build_deepspeed_config(r, world_size=2, on_cuda=False)
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["train_batch_size"] == 12
+    assert cfg["gradient_clipping"] == 0.5  # the user's value wins over train.grad_clip
+    assert cfg["optimizer"]["params"]["torch_adam"] is True
+    r = load_recipe(None, ["deepspeed={train_batch_size: 7}"])
+    with pytest.raises(ConfigError, match="train_batch_size=7"):
+        build_deepspeed_config(r, world_size=1, on_cuda=False)
+    r = load_recipe(None, ["deepspeed={bf16: {enabled: true}}"])
+    with pytest.raises(ConfigError, match="deepspeed.bf16.enabled: needs a GPU"):
+        build_deepspeed_config(r, world_size=1, on_cuda=False)
+
+
+def test_warmup_then_cosine_to_min_ratio():
+    t = load_recipe(None, ["train.max_steps=100", "train.warmup_steps=10", "train.min_lr_ratio=0.1"]).train
+    f = lr_lambda(t)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.55) and f(100) == pytest.approx(0.1)
+    t.schedule = "linear"
+    assert lr_lambda(t)(55) == pytest.approx(0.55) and lr_lambda(t)(100) == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# data order and feature cache
+# ---------------------------------------------------------------------------------------------
+def test_sample_order_shards_are_disjoint_and_cover_each_epoch():
+    order = SampleOrder(24, seed=3)
+    seen = []
+    for step in range(3):  # 3 steps x 2 micro x 2 ranks x 2 samples = 24 = one epoch
+        for micro in range(2):
+            per_rank = [order.indices(step, micro, 2, 2, 2, rank) for rank in range(2)]
+            assert not set(per_rank[0]) & set(per_rank[1])
+            seen += per_rank[0] + per_rank[1]
+    assert sorted(seen) == list(range(24))
+    assert SampleOrder(24, seed=3).indices(5, 1, 2, 2, 2, 1) == order.indices(5, 1, 2, 2, 2, 1)
+    assert order.indices(3, 0, 2, 2, 2, 0) != order.indices(0, 0, 2, 2, 2, 0)  # new epoch, new permutation
+
+
+def test_feature_store_computes_each_sample_once(tmp_path):
+    target = make_tiny_target()
+    samples = [{"input_ids": list(range(3, 3 + n)), "loss_mask": [0] * 2 + [1] * (n - 2)} for n in (5, 8, 6)]
+    store = FeatureStore(target, (1, -1), tmp_path)
+    first = store.batch(samples, pad_id=0)
+    again = FeatureStore(target, (1, -1), tmp_path).batch(samples[::-1], pad_id=0)
+    assert store.computed == 3
+    torch.testing.assert_close(again.hidden[2, :5], first.hidden[0, :5], rtol=0, atol=0)
+    direct = target.features(first.input_ids[1:2], None, (1, -1))
+    torch.testing.assert_close(first.hidden[1], direct.hidden[0], rtol=1e-5, atol=1e-6)
+    assert first.hidden.shape == (3, 8, 2 * target.hidden_size)
+    assert torch.equal(first.loss_mask[0], torch.tensor([0, 0, 1, 1, 1, 0, 0, 0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# real runs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.integration
+def test_kill_and_resume_equals_uninterrupted_run(tiny_model_dir, prompt_file, tmp_path):
+    cache = tmp_path / "cache"
+    common = ["train.max_steps=8", "train.save_every=2", "train.epochs=2"]
+    full = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "full", cache, *common))
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "res", cache, *common),
+                        env_extra={"DRAFTKIT_FAULT_KILL_AFTER_STEP": "5"})
+    assert killed.returncode == -9  # SIGKILL, mid-run, after the step-4 checkpoint
+    assert (tmp_path / "res" / "checkpoints" / "LATEST").read_text() == "step4"
+    assert not (tmp_path / "res" / "head").exists()
+    resumed = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "res", cache, *common))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 4" in resumed.stderr
+    a, b = head_weights(tmp_path / "full"), head_weights(tmp_path / "res")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+    # ... and training did change the weights (the comparison is not between two fresh heads)
+    fresh = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "short", cache,
+                                   "train.max_steps=1", "train.epochs=2"))
+    assert fresh.returncode == 0
+    assert not torch.equal(head_weights(tmp_path / "short")["fc.weight"], a["fc.weight"])
+
+
+@pytest.mark.integration
+def test_resume_from_another_recipe_is_refused(tiny_model_dir, prompt_file, tmp_path):
+    args = recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache", "train.max_steps=2")
+    assert python_run(args).returncode == 0
+    other = python_run(args + ["head.num_layers=2", "train.max_steps=3"])
+    assert other.returncode != 0 and "written by another recipe" in other.stderr
+
+
+@pytest.mark.integration
+def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tiny_model_dir, prompt_file, tmp_path):
+    args = recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache",
+                       "train.max_steps=3", "train.save_every=1", "train.warmup_steps=0", "train.grad_clip=0",
+                       "train.schedule=constant", "train.lr=1.0e+30")
+    res = python_run(args)
+    assert res.returncode != 0
+    assert "loss is nan (non-finite)" in res.stderr or "loss is inf (non-finite)" in res.stderr
+    step = int(res.stderr.split("NonFiniteLoss: step ")[1].split(":")[0])
+    latest = (tmp_path / "run" / "checkpoints" / "LATEST").read_text()
+    assert latest == f"step{step - 1}"  # the last good one; the bad step wrote nothing
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_launcher_two_processes(tiny_model_dir, prompt_file, tmp_path, stage):
+    args = recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache", "train.max_steps=3",
+                       f"deepspeed={{zero_optimization: {{stage: {stage}}}}}")
+    res = launch([str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(29500 + stage),
+                  "draftkit/train/run.py", "recipes/quick.yaml", *args], timeout=400)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    from draftkit.heads import load_head
+    from draftkit.target import load_target
+
+    target = load_target(str(tiny_model_dir), dtype="float32")
+    head = load_head(tmp_path / "run" / "head", target)
+    weights = head_weights(tmp_path / "run")
+    assert weights["fc.weight"].shape == (32, 64) and weights["fc.weight"].abs().sum() > 0
+    assert json.loads((tmp_path / "run" / "head" / "config.json").read_text())["target"]["fingerprint"] == target.fingerprint
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 3 and "heldout_acc" in log[-1]
+    assert head.feature_layers == (-1,)
