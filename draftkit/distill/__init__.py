@@ -1,0 +1,19 @@
+"""Distillation data: prompts (files, datasets or Magpie synthesis) -> target responses -> samples.
+
+    prompts = load_prompts([PromptSource("data.jsonl")], limit=1000, seed=0)
+    convs = regenerate(model, tokenizer, prompts, GenerationSettings(), cache_dir, target_id=...)
+    samples, stats = build_samples(tokenizer, convs, max_length=2048)
+
+or all of it, sized to the run, with `prepare_samples`.
+"""
+
+from .regenerate import Conversation, GenerationSettings, read_cached, regenerate
+from .samples import build_samples, prepare_samples, tokenize_conversation
+from .sources import Prompt, PromptSource, load_prompts
+from .synthesize import SynthesisSettings, magpie_prefix, synthesize_cached, synthesize_prompts
+
+__all__ = [
+    "Conversation", "GenerationSettings", "Prompt", "PromptSource", "SynthesisSettings",
+    "build_samples", "load_prompts", "magpie_prefix", "prepare_samples", "read_cached",
+    "regenerate", "synthesize_cached", "synthesize_prompts", "tokenize_conversation",
+]

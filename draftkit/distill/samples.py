@@ -1,0 +1,122 @@
+"""Token samples with a loss mask, and `prepare_samples`: the one call the trainer makes.
+
+A sample is the whole conversation rendered by the tokenizer's chat template. `loss_mask` is 1
+exactly on the tokens the target generated: the assistant response plus the end-of-turn token
+that closes it, never the template's role header, the prompt or earlier (dataset) replies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from .regenerate import Conversation, GenerationSettings, chat_ids, end_of_turn_ids, regenerate
+from .sources import Prompt, PromptSource, load_prompts
+from .synthesize import SynthesisSettings, synthesize_cached
+
+log = logging.getLogger(__name__)
+
+
+def build_samples(
+    tokenizer, conversations: list[Conversation], max_length: int, overlong: str = "truncate",
+) -> tuple[list[dict], dict]:
+    """Tokenize conversations into {input_ids, loss_mask}; `overlong` is "truncate" or "drop".
+
+    Truncation cuts from the right. A sample left without any assistant token is dropped.
+    Returns (samples, stats) with stats: kept, truncated, dropped_overlong, dropped_no_assistant,
+    dropped_template, tokens, assistant_tokens.
+    """
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    stats = dict(kept=0, truncated=0, dropped_overlong=0, dropped_no_assistant=0,
+                 dropped_template=0, tokens=0, assistant_tokens=0)
+    samples = []
+    for conv in conversations:
+        sample = tokenize_conversation(tokenizer, conv)
+        if sample is None:
+            stats["dropped_template"] += 1
+            continue
+        if len(sample["input_ids"]) > max_length:
+            if overlong == "drop":
+                stats["dropped_overlong"] += 1
+                continue
+            sample = {k: v[:max_length] for k, v in sample.items()}
+            stats["truncated"] += 1
+        if not any(sample["loss_mask"]):
+            stats["dropped_no_assistant"] += 1
+            continue
+        samples.append(sample)
+        stats["kept"] += 1
+        stats["tokens"] += len(sample["input_ids"])
+        stats["assistant_tokens"] += sum(sample["loss_mask"])
+    return samples, stats
+
+
+def tokenize_conversation(tokenizer, conv: Conversation) -> dict | None:
+    """{input_ids, loss_mask} of one conversation, or None when the template defeats the mask.
+
+    The prompt rendered with add_generation_prompt=True must be a token prefix of the full
+    conversation; the response then runs from there to the first end-of-turn token (included).
+    Whatever the template adds after that token (a newline, say) stays out of the loss. A
+    truncated response never produced an end-of-turn token, so its closing token is masked out.
+    """
+    prompt = chat_ids(tokenizer, conv.prompt.messages, add_generation_prompt=True)
+    full = chat_ids(tokenizer, conv.messages, add_generation_prompt=False)
+    if full[: len(prompt)] != prompt:
+        log.warning("prompt %s: chat template prompt is not a token prefix of the conversation",
+                    conv.prompt.id)
+        return None
+    eot = end_of_turn_ids(tokenizer)
+    end = next((j for j in range(len(prompt), len(full)) if full[j] in eot), None)
+    if end is None:  # a template that closes the turn with no special token: mask to the end
+        end = len(full) - 1
+    stop = end if conv.truncated else end + 1
+    mask = [0] * len(prompt) + [1] * (stop - len(prompt)) + [0] * (len(full) - stop)
+    return {"input_ids": full, "loss_mask": mask}
+
+
+def prepare_samples(
+    model, tokenizer, *,
+    sources: list[PromptSource] | None,
+    num_samples: int,
+    num_holdout: int,
+    max_length: int,
+    overlong: str = "truncate",
+    generation: GenerationSettings | None = None,
+    synthesis: SynthesisSettings | None = None,
+    cache_dir: Path,
+    target_id: str,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+    progress: bool = True,
+) -> tuple[list[dict], list[Prompt], dict]:
+    """Prompts -> target responses -> token samples, sized to the run.
+
+    Exactly num_samples + num_holdout prompts are loaded from `sources` (or synthesized from the
+    target, Magpie-style, when `sources` is None). The first num_holdout are held aside for
+    evaluation and never trained on; only the other num_samples are answered by the target.
+    Returns (train_samples, holdout_prompts, stats).
+    """
+    generation = generation or GenerationSettings()
+    need = num_samples + num_holdout
+    if sources:
+        prompts = load_prompts(sources, limit=need, seed=seed)
+    else:
+        prompts = synthesize_cached(model, tokenizer, need, synthesis or SynthesisSettings(),
+                                    Path(cache_dir), target_id=target_id, seed=seed, rank=rank,
+                                    world_size=world_size, barrier=barrier, progress=progress)
+    holdout, train = prompts[:num_holdout], prompts[num_holdout:]
+    convs = regenerate(model, tokenizer, train, generation, Path(cache_dir), target_id=target_id,
+                       rank=rank, world_size=world_size, barrier=barrier, progress=progress)
+    samples, stats = build_samples(tokenizer, convs, max_length, overlong)
+    stats.update(prompts=len(prompts), holdout=len(holdout),
+                 responses_truncated=sum(c.truncated for c in convs),
+                 response_tokens=sum(c.num_tokens for c in convs),
+                 source="synthesized" if not sources else [asdict(s) for s in sources])
+    if stats["kept"] < num_samples:
+        log.warning("prepared %d training samples of the %d asked for", stats["kept"], num_samples)
+    return samples, holdout, stats

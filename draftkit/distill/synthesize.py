@@ -1,0 +1,141 @@
+"""Magpie-style prompt synthesis: let the target write the user turn itself.
+
+Feed an aligned chat model its template up to the user header ("<|im_start|>user\\n") and it
+samples a plausible user request, ending it with the end-of-turn token (Xu et al. 2024, Magpie).
+No dataset needed, and the prompts come from the target's own idea of what users ask.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .regenerate import end_of_turn_ids
+from .sources import Prompt
+
+log = logging.getLogger(__name__)
+
+_MARKER = "XXXX_MAGPIE_USER_XXXX"
+
+
+@dataclass
+class SynthesisSettings:
+    # Sequences sampled per `generate` call.
+    batch_size: int = 32
+    # Longest user turn in tokens; one that has not ended by then is thrown away.
+    max_new_tokens: int = 128
+    # Sampling temperature; Magpie samples at 1.0 for diversity.
+    temperature: float = 1.0
+    # Nucleus sampling threshold.
+    top_p: float = 1.0
+    # Shortest and longest prompt kept, in characters after stripping whitespace.
+    min_chars: int = 16
+    max_chars: int = 2000
+
+
+def magpie_prefix(tokenizer) -> str:
+    """The chat template rendered up to where the first user message's content would start."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False)
+    if _MARKER not in text:
+        raise ValueError("chat template does not render the user message; cannot build a Magpie prefix")
+    return text[: text.index(_MARKER)]
+
+
+def synthesize_prompts(
+    model, tokenizer, n: int, *, batch_size: int = 32, max_new_tokens: int = 128,
+    temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, min_chars: int = 16,
+    max_chars: int = 2000, max_attempts: int | None = None, progress: bool = True,
+) -> list[Prompt]:
+    """Sample up to `n` distinct user prompts from the target.
+
+    Kept: turns that end with an end-of-turn token, are min_chars..max_chars long and not a
+    duplicate (case and whitespace folded). Stops after max_attempts samples (default 4n +
+    batch_size) and warns with the count when fewer than n survive. Counts are logged.
+    """
+    prompts, counts = _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature,
+                                  top_p, seed, min_chars, max_chars, max_attempts, progress)
+    log.info("magpie: generated %(generated)d, unfinished %(unfinished)d, duplicates "
+             "%(duplicates)d, length-filtered %(filtered)d, kept %(kept)d", counts)
+    return prompts
+
+
+@torch.inference_mode()
+def _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature, top_p, seed,
+                min_chars, max_chars, max_attempts, progress) -> tuple[list[Prompt], dict]:
+    prefix = tokenizer(magpie_prefix(tokenizer), add_special_tokens=False)["input_ids"]
+    stops = sorted(end_of_turn_ids(tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    max_attempts = max_attempts or 4 * n + batch_size
+    counts = dict(generated=0, unfinished=0, duplicates=0, filtered=0, kept=0)
+    seen, prompts = set(), []
+    bar = tqdm(total=n, desc="magpie", unit="prompt", disable=not progress)
+    while len(prompts) < n and counts["generated"] < max_attempts:
+        bs = min(batch_size, max_attempts - counts["generated"])
+        torch.manual_seed(seed + counts["generated"])
+        input_ids = torch.tensor([prefix] * bs, device=model.device)  # (B, T_prefix), no padding
+        out = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p,
+            top_k=0, eos_token_id=stops, pad_token_id=pad,
+        )[:, len(prefix):]  # (B, T_new)
+        counts["generated"] += bs
+        for row in out.tolist():
+            end = next((j for j, t in enumerate(row) if t in stops), None)
+            if end is None:
+                counts["unfinished"] += 1
+                continue
+            text = tokenizer.decode(row[:end], skip_special_tokens=True).strip()
+            norm = re.sub(r"\s+", " ", text.lower())
+            if not min_chars <= len(text) <= max_chars:
+                counts["filtered"] += 1
+            elif norm in seen:
+                counts["duplicates"] += 1
+            elif len(prompts) < n:
+                seen.add(norm)
+                digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+                prompts.append(Prompt([{"role": "user", "content": text}], "synthetic", f"magpie:{digest}"))
+                bar.update(1)
+    bar.close()
+    counts["kept"] = len(prompts)
+    if len(prompts) < n:
+        log.warning("magpie: only %d of %d prompts after %d samples (%s)", len(prompts), n,
+                    counts["generated"], counts)
+    return prompts, counts
+
+
+def synthesize_cached(
+    model, tokenizer, n: int, settings: SynthesisSettings, cache_dir: Path, *, target_id: str,
+    seed: int = 0, rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
+    progress: bool = True,
+) -> list[Prompt]:
+    """`synthesize_prompts` once per (target, settings, seed, n): rank 0 writes, all ranks read.
+
+    Other ranks wait in `barrier()` while rank 0 synthesizes.
+    """
+    key = json.dumps({"target": target_id, "seed": seed, "n": n, **asdict(settings)}, sort_keys=True)
+    path = Path(cache_dir) / f"prompts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
+    if rank == 0 and not path.exists():
+        prompts, counts = _synthesize(model, tokenizer, n, settings.batch_size, settings.max_new_tokens,
+                                      settings.temperature, settings.top_p, seed, settings.min_chars,
+                                      settings.max_chars, None, progress)
+        log.info("magpie: %s", counts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
+        os.replace(tmp, path)
+    if world_size > 1:
+        if barrier is None:
+            raise ValueError("synthesize_cached: world_size > 1 needs a barrier")
+        barrier()
+    lines = path.read_text().splitlines()[:n]
+    return [Prompt(**json.loads(line)) for line in lines]
+

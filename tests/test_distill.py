@@ -1,0 +1,317 @@
+"""draftkit.distill: prompt sources, Magpie synthesis, cached regeneration, loss masks.
+
+Runs on a tiny random Llama and the fixture ChatML tokenizer (tests/fixtures/tokenizer, rebuilt
+by tests/fixtures/make_tokenizer.py); nothing here reads ../shared or a real target.
+"""
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from draftkit.distill import (
+    Conversation, GenerationSettings, Prompt, PromptSource, SynthesisSettings, build_samples,
+    load_prompts, magpie_prefix, prepare_samples, regenerate, synthesize_prompts,
+    tokenize_conversation,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DATA = FIXTURES / "data"
+FAST = GenerationSettings(max_new_tokens=8, temperature=0.0, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A tiny random Llama that ends its turn with probability ~0.2 per token.
+
+    A random model almost never samples `<|im_end|>` on its own (1 in 384), so the LM head gets a
+    bias: +4.5 on the end-of-turn token, and `<|im_start|>` / `<|endoftext|>` suppressed.
+    """
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    m = LlamaForCausalLM(cfg)
+    head = torch.nn.Linear(32, len(tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(m.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 4.5
+        head.bias[tokenizer.convert_tokens_to_ids("<|im_start|>")] = -30.0
+        head.bias[tokenizer.convert_tokens_to_ids("<|endoftext|>")] = -30.0
+    m.lm_head = head
+    return m.eval().requires_grad_(False)
+
+
+@pytest.fixture
+def generated_rows(model, monkeypatch):
+    """Wrap model.generate; the list collects the batch size of every call."""
+    rows, original = [], model.generate
+
+    def counting_generate(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", counting_generate)
+    return rows
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _user_prompts(n: int, tag: str = "p") -> list[Prompt]:
+    return [Prompt([{"role": "user", "content": f"{tag} question number {i}?"}], None, f"{tag}:{i}")
+            for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- sources
+
+def _by_id(path: Path) -> dict[str, Prompt]:
+    return {p.id: p for p in load_prompts([PromptSource(str(path))], None, seed=0)}
+
+
+def test_sharegpt_keeps_context_up_to_last_user_turn():
+    got = _by_id(DATA / "sharegpt.json")
+    assert set(got) == {"sharegpt:sg0", "sharegpt:sg1"}  # sg2 has no user turn
+    assert got["sharegpt:sg0"].messages == [
+        {"role": "user", "content": "Who are you?"},
+        {"role": "assistant", "content": "I am a model."},
+        {"role": "user", "content": "Have a nice day!"},
+    ]
+    assert got["sharegpt:sg1"].messages[0] == {"role": "system", "content": "Answer briefly."}
+
+
+def test_openai_messages():
+    got = _by_id(DATA / "openai.jsonl")
+    assert len(got) == 3
+    assert got["openai:0"].messages == [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Write a short poem about the sea."},
+    ]
+    assert got["openai:2"].messages[-1] == {"role": "user", "content": "Second question?"}
+    assert len(got["openai:2"].messages) == 3
+
+
+def test_turns_first_turn_and_category():
+    got = _by_id(DATA / "mtbench.jsonl")
+    assert got["mtbench:81"].messages == [{"role": "user", "content": "Compose a travel blog post about Hawaii."}]
+    assert got["mtbench:81"].category == "writing"
+    assert got["mtbench:91"].category == "math"
+
+
+def test_prompt_and_alpaca_shapes():
+    prompts = _by_id(DATA / "prompt.jsonl")
+    assert sorted(p.messages[0]["content"] for p in prompts.values()) == [  # the blank one is dropped
+        "Explain how a rainbow forms.", "Translate German to English: Guten Morgen."]
+    alpaca = _by_id(DATA / "alpaca.json")
+    assert alpaca["alpaca:0"].messages == [{"role": "user", "content": "Translate to English.\n\nGuten Morgen"}]
+    assert alpaca["alpaca:1"].messages == [{"role": "user", "content": "Name a colour of the sky."}]
+
+
+def test_save_to_disk_directory(tmp_path):
+    records = [{"prompt": "alpha?"}, {"prompt": "beta?"}]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "flat"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(records[:1])}).save_to_disk(str(tmp_path / "dict"))
+    assert len(load_prompts([PromptSource(str(tmp_path / "flat"))], None, 0)) == 2
+    got = load_prompts([PromptSource(str(tmp_path / "dict"), split="test")], None, 0)
+    assert [p.messages[0]["content"] for p in got] == ["alpha?"]
+
+
+def test_unknown_shape_names_file_and_keys():
+    with pytest.raises(ValueError, match=r"unknown\.jsonl.*'answer', 'question'"):
+        load_prompts([PromptSource(str(DATA / "unknown.jsonl"))], None, 0)
+
+
+def test_empty_after_filtering_names_sources(tmp_path):
+    blank = _write_jsonl(tmp_path / "blank.jsonl", [{"prompt": " "}, {"prompt": ""}])
+    with pytest.raises(ValueError, match="blank.jsonl"):
+        load_prompts([PromptSource(str(blank))], 10, 0)
+
+
+def test_weights_mix_deterministically(tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}"} for i in range(50)])
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}"} for i in range(50)])
+    srcs = [PromptSource(str(a), weight=3.0), PromptSource(str(b), weight=1.0)]
+    got = load_prompts(srcs, 20, seed=1)
+    assert sum(p.id.startswith("a:") for p in got) == 15 and len(got) == 20
+    assert [p.id for p in got] == [p.id for p in load_prompts(srcs, 20, seed=1)]
+    assert [p.id for p in got] != [p.id for p in load_prompts(srcs, 20, seed=2)]
+    # a source short of its quota gives everything; the other fills the gap
+    short = _write_jsonl(tmp_path / "short.jsonl", [{"prompt": f"s{i}"} for i in range(3)])
+    got = load_prompts([PromptSource(str(short)), PromptSource(str(b))], 20, seed=0)
+    assert sum(p.id.startswith("short:") for p in got) == 3 and len(got) == 20
+
+
+# ----------------------------------------------------------------------------- synthesis
+
+def test_magpie_prefix(tokenizer):
+    assert magpie_prefix(tokenizer) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+
+
+def test_synthesize_prompts(model, tokenizer, generated_rows):
+    got = synthesize_prompts(model, tokenizer, 4, batch_size=8, max_new_tokens=12, seed=0,
+                             min_chars=1, progress=False)
+    assert 1 <= len(got) <= 4 and generated_rows
+    texts = [p.messages[0]["content"] for p in got]
+    assert len(set(texts)) == len(texts)
+    assert all(p.messages[0]["role"] == "user" and len(p.messages) == 1 and t.strip() for p, t in zip(got, texts))
+    again = synthesize_prompts(model, tokenizer, 4, batch_size=8, max_new_tokens=12, seed=0,
+                               min_chars=1, progress=False)
+    assert [p.id for p in again] == [p.id for p in got]
+
+
+def test_synthesize_gives_up_after_max_attempts(model, tokenizer, caplog):
+    with caplog.at_level(logging.WARNING):
+        got = synthesize_prompts(model, tokenizer, 3, batch_size=4, max_new_tokens=4,
+                                 min_chars=10_000, max_attempts=8, progress=False)
+    assert got == [] and "only 0 of 3" in caplog.text
+
+
+# ----------------------------------------------------------------------------- regeneration
+
+def test_regenerate_then_cache_hit(model, tokenizer, tmp_path, generated_rows):
+    prompts = _user_prompts(6)
+    first = regenerate(model, tokenizer, prompts, FAST, tmp_path, target_id="tiny", progress=False)
+    assert sum(generated_rows) == 6 and len(first) == 6
+    assert all(c.num_tokens <= FAST.max_new_tokens for c in first)
+    assert all(c.num_tokens == FAST.max_new_tokens for c in first if c.truncated)
+    generated_rows.clear()
+    again = regenerate(model, tokenizer, prompts, FAST, tmp_path, target_id="tiny", progress=False)
+    assert generated_rows == []  # served from the cache
+    assert again == first
+    # a different target or different settings is a different key
+    regenerate(model, tokenizer, prompts[:2], FAST, tmp_path, target_id="other", progress=False)
+    assert sum(generated_rows) == 2
+
+
+def test_interrupted_run_continues(model, tokenizer, tmp_path, generated_rows):
+    prompts = _user_prompts(7)
+    done = regenerate(model, tokenizer, prompts[:3], FAST, tmp_path, target_id="tiny", progress=False)
+    generated_rows.clear()
+    (next(tmp_path.rglob("*.jsonl")).parent / ".junk.123.tmp").write_text("{half a rec")  # killed mid-write
+    full = regenerate(model, tokenizer, prompts, FAST, tmp_path, target_id="tiny", progress=False)
+    assert sum(generated_rows) == 4
+    assert full[:3] == done and [c.prompt.id for c in full] == [p.id for p in prompts]
+
+
+def test_ranks_split_work_and_share_results(model, tokenizer, tmp_path, generated_rows):
+    prompts = _user_prompts(6)
+    kw = dict(target_id="tiny", world_size=2, progress=False)
+    # Simulate two ranks in one process: rank 0's barrier runs rank 1 to completion.
+    rank1 = []
+    out0 = regenerate(model, tokenizer, prompts, FAST, tmp_path, rank=0, **kw, barrier=lambda: rank1.append(
+        regenerate(model, tokenizer, prompts, FAST, tmp_path, rank=1, **kw, barrier=lambda: None)))
+    assert sum(generated_rows) == 6 and len(generated_rows) == 2  # 3 prompts per rank
+    assert out0 == rank1[0] and len(out0) == 6
+    with pytest.raises(ValueError, match="barrier"):
+        regenerate(model, tokenizer, _user_prompts(2, "q"), FAST, tmp_path, rank=0, **kw)
+
+
+def test_truncated_responses_are_flagged(model, tokenizer, tmp_path):
+    never_ends = GenerationSettings(max_new_tokens=3, batch_size=2)
+    with torch.no_grad():
+        model.lm_head.bias[tokenizer.eos_token_id] = -30.0
+        try:
+            convs = regenerate(model, tokenizer, _user_prompts(2), never_ends, tmp_path,
+                               target_id="tiny", progress=False)
+        finally:
+            model.lm_head.bias[tokenizer.eos_token_id] = 4.5
+    assert all(c.truncated and c.num_tokens == 3 for c in convs)
+
+
+# ----------------------------------------------------------------------------- samples
+
+def _conv(messages, response, truncated=False):
+    return Conversation(Prompt(messages, None, "x"), response, truncated, 0)
+
+
+def _masked_text(tokenizer, sample) -> str:
+    return tokenizer.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(tokenizer):
+    context = [{"role": "user", "content": "Who are you?"},
+               {"role": "assistant", "content": "A dataset reply."},
+               {"role": "user", "content": "What is the capital of France?"}]
+    sample = tokenize_conversation(tokenizer, _conv(context, "The capital of France is Paris."))
+    mask = sample["loss_mask"]
+    assert _masked_text(tokenizer, sample) == "The capital of France is Paris.<|im_end|>"
+    ones = [i for i, m in enumerate(mask) if m]
+    assert ones == list(range(ones[0], ones[-1] + 1))  # one contiguous span
+    assert tokenizer.decode(sample["input_ids"][ones[-1] + 1:]) == "\n"  # template tail stays out
+    assert tokenizer.decode(sample["input_ids"][: ones[0]]).endswith("<|im_start|>assistant\n")
+    # a truncated response never produced the end-of-turn token: it is not trained on
+    cut = tokenize_conversation(tokenizer, _conv(context, "The capital", truncated=True))
+    assert _masked_text(tokenizer, cut) == "The capital"
+
+
+def test_template_that_is_not_a_prefix_is_dropped(tokenizer):
+    odd = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
+    odd.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ': ' + m['content'] + "
+                         "'<|im_end|>' }}{% endfor %}{% if add_generation_prompt %}"
+                         "{{ '<|im_start|>assistant\n' }}{% endif %}")
+    samples, stats = build_samples(odd, [_conv([{"role": "user", "content": "hi"}], "yo")], 64)
+    assert samples == [] and stats["dropped_template"] == 1
+
+
+def test_truncate_vs_drop(tokenizer):
+    user = [{"role": "user", "content": "Write a short poem about the sea."}]
+    convs = [_conv(user, "The sea."), _conv(user, "The sea is wide and blue and deep. " * 4)]
+    short_len = len(tokenize_conversation(tokenizer, convs[0])["input_ids"])
+    samples, stats = build_samples(tokenizer, convs, short_len, "truncate")
+    assert stats["kept"] == 2 and stats["truncated"] == 1 and stats["dropped_overlong"] == 0
+    assert all(len(s["input_ids"]) <= short_len for s in samples)
+    assert stats["tokens"] == 2 * short_len
+    assert stats["assistant_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+    samples, stats = build_samples(tokenizer, convs, short_len, "drop")
+    assert stats["kept"] == 1 and stats["dropped_overlong"] == 1
+    # truncated inside the prompt: no assistant token left, so dropped
+    prompt_len = short_len - sum(tokenize_conversation(tokenizer, convs[0])["loss_mask"]) - 1
+    samples, stats = build_samples(tokenizer, convs, prompt_len, "truncate")
+    assert samples == [] and stats["dropped_no_assistant"] == 2
+    with pytest.raises(ValueError):
+        build_samples(tokenizer, convs, 10, "wrap")
+
+
+# ----------------------------------------------------------------------------- prepare_samples
+
+def test_prepare_samples_is_sized_to_the_run(model, tokenizer, tmp_path, generated_rows):
+    sources = [PromptSource(str(DATA / "openai.jsonl")), PromptSource(str(DATA / "prompt.jsonl")),
+               PromptSource(str(DATA / "mtbench.jsonl"))]
+    samples, holdout, stats = prepare_samples(
+        model, tokenizer, sources=sources, num_samples=3, num_holdout=2, max_length=128,
+        generation=FAST, cache_dir=tmp_path, target_id="tiny", progress=False)
+    assert sum(generated_rows) == 3  # only the training prompts are answered
+    assert len(holdout) == 2 and stats["prompts"] == 5 and stats["holdout"] == 2
+    assert len(samples) == stats["kept"] <= 3
+    held = {tokenizer.apply_chat_template(p.messages, tokenize=False) for p in holdout}
+    for s in samples:
+        assert not any(tokenizer.decode(s["input_ids"]).startswith(h) for h in held)
+
+
+def test_prepare_samples_synthesizes_without_sources(model, tokenizer, tmp_path, generated_rows):
+    synth = SynthesisSettings(batch_size=8, max_new_tokens=12, min_chars=1)
+    kw = dict(sources=None, num_samples=2, num_holdout=1, max_length=128, generation=FAST,
+              synthesis=synth, cache_dir=tmp_path, target_id="tiny", progress=False)
+    samples, holdout, stats = prepare_samples(model, tokenizer, **kw)
+    assert stats["source"] == "synthesized" and len(holdout) == 1 and len(samples) == 2
+    generated_rows.clear()
+    again = prepare_samples(model, tokenizer, **kw)
+    assert generated_rows == [] and again[0] == samples  # prompts and responses both cached
+    assert math.isfinite(stats["response_tokens"])
