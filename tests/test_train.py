@@ -225,3 +225,28 @@ def test_deepspeed_launcher_two_processes(tiny_model_dir, prompt_file, tmp_path,
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 3 and "heldout_acc" in log[-1]
     assert head.feature_layers == (-1,)
+
+
+@pytest.mark.integration
+def test_embedded_target_trains_and_export_reloads(tmp_path):
+    """The default path: embedded SmolLM2, prompts synthesized by the target, export reloads exactly."""
+    out = tmp_path / "run"
+    res = python_run([f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
+                      "data.num_prompts=2", "data.holdout=1", "data.responses.max_new_tokens=16",
+                      "data.synthesize.max_new_tokens=48", "data.synthesize.batch_size=4",
+                      "train.micro_batch_size=2", "train.log_every=1", "logging.wandb_project=null"], timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from draftkit.heads import load_head
+    from draftkit.target import FINAL, load_target
+
+    target = load_target(None, dtype="bfloat16")
+    assert target.num_layers == 30 and target.hidden_size == 576 and target.vocab_size == 49152
+    head = load_head(out / "head", target)
+    saved = head_weights(out)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, saved[name])
+    cfg = json.loads((out / "head" / "config.json").read_text())
+    assert cfg["family"] == "eagle" and cfg["feature_layers"] == [FINAL]
+    assert cfg["target"]["name"] == "SmolLM2-135M-Instruct" and cfg["target"]["fingerprint"] == target.fingerprint
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in log] == [1, 2] and all(0 <= e["acc"] <= 1 for e in log)

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's main job: set up, distill an EAGLE head from the embedded SmolLM2-135M target with
+# DeepSpeed, export it, and measure its real acceptance and speedup with `draftkit eval`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export WANDB_MODE="${WANDB_MODE:-offline}"
+.venv/bin/deepspeed draftkit/train/run.py recipes/quick.yaml "$@"
+.venv/bin/draftkit eval --head runs/quick/head --limit 8 --k 3 --max-new-tokens 64 --out runs/quick/eval
