@@ -32,9 +32,10 @@ class Eagle3Config(HeadConfig):
     type: str = "eagle3"
     # Target layers fused by fc, low / middle / high, in draftkit's convention (draftkit.target):
     # index i = residual stream ENTERING decoder layer i = transformers hidden_states[i]. None =
-    # the EAGLE-3 reference default (2, N//2, N-3) for an N-layer target. vLLM's and SGLang's
-    # eagle_aux_hidden_state_layer_ids use this same convention; SpecForge's aux_hidden_states_layers
-    # name the layer whose OUTPUT is taken (its default is [1, N//2-1, N-4]): add 1 to convert.
+    # the EAGLE-3 reference default (2, N//2, N-3) for an N-layer target. vLLM's
+    # eagle_aux_hidden_state_layer_ids use this same convention. SGLang's and SpecForge's ids name
+    # the layer whose OUTPUT is taken (SpecForge's default is [1, N//2-1, N-4]): ours minus 1.
+    # draftkit export writes each engine's own ids (see draftkit/export/sglang.py).
     feature_layers: list[int] | None = None
     # Size N of the draft vocabulary: the N most frequent tokens of the training responses
     # (set by the trainer through head.set_draft_vocab). None = min(32000, target vocab), as the
