@@ -1,0 +1,456 @@
+"""The draft-verify loop: a head drafts k tokens, the target scores k+1 positions in one forward,
+the rejection sampler decides, and both caches roll back to the accepted prefix.
+
+    decoder = SpecDecoder(target, head, k=5)
+    outputs, stats = decoder.generate(prompt_ids, max_new_tokens=128, params=SamplingParams(0.7), seeds=[0, 1])
+    stats.tau, stats.acceptance_per_position
+
+One step, for every row b of the batch (rows are ragged: own length, own acceptance, own stop):
+
+    drafts d_1..d_k  = head.draft(state, feats of newly confirmed positions, their next tokens, ...)
+    verify input     = [pending_b, d_1 .. d_k] at positions next_pos_b .. next_pos_b + k
+    target logits    (B, k+1, V) + features of the same k+1 positions, one forward on the KV cache
+    sampler          -> n_b accepted drafts + one recovered / bonus token (the new pending token)
+    roll back        slots of the rejected drafts become *holes* (mask 0), never re-read
+
+The target's KV cache is a transformers DynamicCache with one slot per fed token per row. Rolling
+back does not move memory: the 2D attention mask over all slots hides the holes, and position_ids
+are passed per row, so a row's tokens keep consecutive rotary positions whatever its holes. Slots
+that are holes in *every* row at the end of the cache are cropped (at batch 1 there are never
+holes). The head keeps its own cache the same way (see heads/layers.py). Both are exact: masked
+slots get attention weight exp(-inf) = 0, so fp32 greedy output equals plain decoding token for
+token (tests/test_spec_decoder.py).
+
+A drafter may leave positions empty by returning token -1 there (the n-gram drafter does when it
+finds no match); that row then drafts fewer tokens this step, and the verify forward is only as
+wide as the longest row's draft.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from draftkit.inference.rejection import RejectionSampler
+from draftkit.inference.sampling import SamplingParams, exponential, logits_to_probs, make_generators
+from draftkit.target import FINAL
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+class SpecError(ValueError):
+    """Bad settings for the loop (k out of range, prompt too long, empty prompt list)."""
+
+
+def stop_token_ids(target) -> list[int]:
+    """EOS of the config, the generation config and the tokenizer, plus end-of-turn specials."""
+    ids: set = set()
+    for src in (target.config, getattr(target.model, "generation_config", None)):
+        e = getattr(src, "eos_token_id", None)
+        ids.update(e if isinstance(e, (list, tuple)) else [e])
+    tok = target.tokenizer
+    if tok is not None:
+        ids.add(tok.eos_token_id)
+        for name in END_OF_TURN_TOKENS:
+            i = tok.convert_tokens_to_ids(name)
+            if isinstance(i, int) and i != tok.unk_token_id:
+                ids.add(i)
+    ids.discard(None)
+    return sorted(ids)
+
+
+def context_length(target) -> int:
+    return int(getattr(target.config, "max_position_embeddings", None) or 1 << 30)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpecStats:
+    """Counts of one or more `generate` calls. Merge with `+=`; read tau / acceptance."""
+
+    k: int
+    steps: int = 0  # verify forwards (one per loop step, whole batch)
+    row_steps: int = 0  # (row, step) pairs with the row still running: the denominator of tau
+    emitted: int = 0  # tokens the verify steps produced (accepted drafts + one each), before cuts
+    new_tokens: int = 0  # tokens in the outputs (prefill token included, cut at EOS / max)
+    # accepted_hist[n]: row-steps that accepted exactly n drafts (n = 0..k)
+    accepted_hist: list[int] = field(default_factory=list)
+    # position i (0-based): row-steps whose draft i was looked at (all before it accepted) ...
+    reached: list[int] = field(default_factory=list)
+    # ... and that accepted it. alpha_i = accepted_at[i] / reached[i] (conditional acceptance).
+    accepted_at: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # time in head.draft (incl. consuming the confirmed features)
+    verify_s: float = 0.0  # target forward + lm_head + rejection sampler + cache roll-back
+    total_s: float = 0.0  # wall time of generate(), everything included
+
+    def __post_init__(self):
+        self.accepted_hist = self.accepted_hist or [0] * (self.k + 1)
+        self.reached = self.reached or [0] * self.k
+        self.accepted_at = self.accepted_at or [0] * self.k
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward per row, the bonus / recovered token included."""
+        return self.emitted / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float | None]:
+        """alpha_i = P(draft i accepted | drafts 1..i-1 accepted); None where never reached."""
+        return [a / r if r else None for a, r in zip(self.accepted_at, self.reached)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def record(self, num_draft: Tensor, num_accepted: Tensor, active: Tensor) -> None:
+        """One verify step: (B,) drafts offered, drafts accepted, row still running."""
+        nd, na = num_draft[active].tolist(), num_accepted[active].tolist()
+        self.steps += 1
+        self.row_steps += len(na)
+        for d, a in zip(nd, na):
+            self.emitted += a + 1
+            self.accepted_hist[a] += 1
+            for i in range(min(a + 1, d)):  # drafts 0..a were examined (a < d: a was rejected)
+                self.reached[i] += 1
+            for i in range(a):
+                self.accepted_at[i] += 1
+
+    def __iadd__(self, other: "SpecStats") -> "SpecStats":
+        if other.k != self.k:
+            raise ValueError(f"cannot merge stats of k={other.k} into k={self.k}")
+        for name in ("steps", "row_steps", "emitted", "new_tokens", "prefill_s", "draft_s", "verify_s", "total_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("accepted_hist", "reached", "accepted_at"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        return self
+
+    def to_dict(self) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "k": self.k, "tau": self.tau, "acceptance_per_position": self.acceptance_per_position,
+            "accepted_length_histogram": list(self.accepted_hist), "steps": self.steps,
+            "row_steps": self.row_steps, "new_tokens": self.new_tokens,
+            "tokens_per_s": self.tokens_per_s, "prefill_s": self.prefill_s, "draft_s": self.draft_s,
+            "verify_s": self.verify_s, "total_s": self.total_s,
+            "draft_ms_per_step": 1e3 * self.draft_s / steps, "verify_ms_per_step": 1e3 * self.verify_s / steps,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# The target side: a KV cache with holes
+# ---------------------------------------------------------------------------------------------
+
+
+class TargetCache:
+    """The target's DynamicCache for a ragged batch: slots, their validity, per-row positions."""
+
+    def __init__(self, target, batch_size: int, layers: tuple[int, ...] = ()):
+        from transformers import DynamicCache
+
+        self.target = target
+        self.layers = tuple(layers)
+        self.cache = DynamicCache(config=target.config)
+        dev = target.device
+        self.slot_valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=dev)  # (B, S)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=dev)  # (B,)
+
+    def forward(self, ids: Tensor, valid: Tensor, logits_from: int = 0) -> tuple[Tensor, Tensor | None]:
+        """Feed ids (B, T) as new slots; valid (B, T) marks real tokens (left padding, finished rows).
+
+        Every fed token is provisionally valid; `commit` later turns rejected ones into holes.
+        Returns logits (B, T - logits_from, V) float32 and the features (B, T, F) the head reads
+        (None when it reads none).
+        """
+        positions = (self.next_pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
+        self.slot_valid = torch.cat([self.slot_valid, valid], dim=1)  # (B, S + T)
+        want_hidden = any(i != FINAL for i in self.layers)
+        out = self.target.decoder(input_ids=ids, attention_mask=self.slot_valid.long(), position_ids=positions,
+                                  past_key_values=self.cache, use_cache=True, output_hidden_states=want_hidden)
+        final = out.last_hidden_state  # (B, T, H) after the final norm
+        logits = self.target.lm_head(final[:, logits_from:]).float()  # (B, T', V)
+        feats = None
+        if self.layers:
+            picked = [final if i == FINAL else out.hidden_states[i] for i in self.layers]
+            feats = picked[0] if len(picked) == 1 else torch.cat(picked, dim=-1)
+        return logits, feats
+
+    def commit(self, keep: Tensor) -> None:
+        """keep (B, T): which of the last T fed slots stay; the others become holes."""
+        T = keep.shape[1]
+        self.slot_valid[:, -T:] = keep
+        self.next_pos += keep.long().sum(1)
+        # Slots that are holes in every row at the end of the cache can go: crop them.
+        used = self.slot_valid[:, -T:].any(0)  # (T,)
+        trailing = T - (int(used.nonzero().max()) + 1 if bool(used.any()) else 0)
+        if trailing:
+            self.cache.crop(-trailing)
+            self.slot_valid = self.slot_valid[:, :-trailing]
+
+
+def left_pad(prompts: list[list[int]], device) -> tuple[Tensor, Tensor]:
+    """Token lists -> ids (B, L) left-padded with 0, valid (B, L) bool."""
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    valid = torch.zeros(len(prompts), L, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        if p:
+            ids[b, L - len(p):] = torch.tensor(p)
+            valid[b, L - len(p):] = True
+    return ids.to(device), valid.to(device)
+
+
+def sample_fn(params: SamplingParams, generators):
+    """logits (B, V) -> (tokens (B,), probs (B, V) | None): argmax when greedy, else a per-row draw."""
+    if params.greedy:
+        return lambda logits: (logits.argmax(-1), None)
+
+    def sample(logits: Tensor) -> tuple[Tensor, Tensor]:
+        probs = logits_to_probs(logits, params)  # (B, V) float32
+        noise = exponential(probs.shape, generators).to(probs.device)  # (B, V) Exp(1), row b from gen b
+        return (probs / noise).argmax(-1), probs  # exponential race: argmin E/p ~ p
+    return sample
+
+
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, ctx: int, extra: int = 0) -> None:
+    if not prompts:
+        raise SpecError("no prompts to decode")
+    if max_new_tokens < 1:
+        raise SpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise SpecError(f"prompt {i} is empty")
+        if len(p) + max_new_tokens + extra > ctx:
+            raise SpecError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} (+{extra}) "
+                            f"exceeds the target's context of {ctx}")
+
+
+class _Rows:
+    """Per-row outputs and stop bookkeeping (Python lists: B is small, tokens arrive in chunks)."""
+
+    def __init__(self, batch_size: int, max_new_tokens: int, stop_ids, device):
+        self.out: list[list[int]] = [[] for _ in range(batch_size)]
+        self.max_new = max_new_tokens
+        self.stop = set(stop_ids)
+        self.active = torch.ones(batch_size, dtype=torch.bool, device=device)
+        self._active = [True] * batch_size
+
+    def add(self, b: int, tokens: list[int]) -> None:
+        for t in tokens:
+            self.out[b].append(t)
+            if t in self.stop or len(self.out[b]) >= self.max_new:
+                self._active[b] = False
+                self.active[b] = False
+                return
+
+    @property
+    def any_active(self) -> bool:
+        return any(self._active)
+
+    def new_tokens(self) -> int:
+        return sum(map(len, self.out))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+class SpecDecoder:
+    """Target + drafter (a DraftHead or anything with new_draft_state/draft) + rejection sampler."""
+
+    def __init__(self, target, head, k: int, sampler: RejectionSampler | None = None,
+                 stop_ids: list[int] | None = None):
+        limit = getattr(head, "max_draft_tokens", None)
+        if not isinstance(k, int) or k < 1:
+            raise SpecError(f"k (draft tokens per step) must be an integer >= 1, got {k!r}")
+        if limit is not None and k > limit:
+            raise SpecError(f"k={k} is larger than this {getattr(head, 'family', 'drafter')} head supports "
+                            f"(max_draft_tokens={limit})")
+        self.target, self.head, self.k = target, head, k
+        self.sampler = sampler or RejectionSampler("auto")
+        self.stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)
+        self.layers = tuple(getattr(head, "feature_layers", (FINAL,)))
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 128,
+                 params: SamplingParams = SamplingParams(), seeds: list[int] | None = None,
+                 ) -> tuple[list[list[int]], SpecStats]:
+        """Decode every prompt (token ids) in one ragged batch; outputs exclude the prompt."""
+        t_start = time.perf_counter()
+        k, B, dev = self.k, len(prompts), self.target.device
+        check_prompts(prompts, max_new_tokens, context_length(self.target), extra=k + 1)
+        stats = SpecStats(k)
+        gens = make_generators(seeds if seeds is not None else range(B), dev)
+        sample = sample_fn(params, gens)
+        rows = _Rows(B, max_new_tokens, self.stop_ids, dev)
+
+        # Prefill: the whole prompt, the first token sampled from the target.
+        ids, valid = left_pad(prompts, dev)
+        tc = TargetCache(self.target, B, self.layers)
+        logits, feats = tc.forward(ids, valid, logits_from=ids.shape[1] - 1)
+        tc.commit(valid)
+        pending, _ = sample(logits[:, -1])  # (B,)
+        for b, t in enumerate(pending.tolist()):
+            rows.add(b, [t])
+        next_tokens = torch.cat([ids[:, 1:], pending[:, None]], dim=1)  # (B, L): token after each position
+        feed_valid = valid
+        if feats is None:
+            feats = ids.new_zeros(*ids.shape, 0, dtype=self.target.dtype)
+        state = self.head.new_draft_state(B)
+        _sync(dev)
+        stats.prefill_s = time.perf_counter() - t_start
+
+        while rows.any_active:
+            active = rows.active.clone()
+            # 1. Draft: the head consumes the newly confirmed positions, then drafts k.
+            t0 = time.perf_counter()
+            drafts, dprobs = self.head.draft(state, feats, next_tokens, feed_valid & active[:, None], k, sample)
+            _sync(dev)
+            t1 = time.perf_counter()
+            # 2. Verify [pending, d_1..d_w] in one forward; w = longest draft among running rows.
+            num_draft = (drafts >= 0).long().cumprod(1).sum(1) * active  # (B,)
+            w = int(num_draft.max())
+            drafts = drafts[:, :w].clamp(min=0)
+            if dprobs is not None:
+                dprobs = dprobs[:, :w]
+            step_ids = torch.cat([pending[:, None], drafts], dim=1)  # (B, w+1)
+            step_valid = active[:, None].expand(B, w + 1)
+            logits, feats = tc.forward(step_ids, step_valid)  # (B, w+1, V), (B, w+1, F) | None
+            if w:
+                out, num_acc = self.sampler(drafts, dprobs, logits, num_draft, params, gens)  # (B, w+1), (B,)
+            else:  # nothing drafted anywhere: a plain step, the token drawn from the target as is
+                out, num_acc = sample(logits[:, 0])[0][:, None], torch.zeros_like(num_draft)
+            # 3. Roll back: keep pending + the accepted drafts; the rest become holes.
+            keep = (torch.arange(w + 1, device=dev)[None] <= num_acc[:, None]) & active[:, None]  # (B, w+1)
+            tc.commit(keep)
+            pending = out.gather(1, num_acc[:, None])[:, 0]  # (B,) recovered / bonus token
+            next_tokens, feed_valid = out.clamp(min=0), keep  # the token after each verified position
+            if feats is None:
+                feats = step_ids.new_zeros(B, w + 1, 0, dtype=self.target.dtype)
+            _sync(dev)
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
+            # 4. Emit, stopping rows independently at a stop token or max_new_tokens.
+            stats.record(num_draft, num_acc, active)
+            out_rows, n_rows = out.tolist(), num_acc.tolist()
+            for b in active.nonzero()[:, 0].tolist():
+                rows.add(b, out_rows[b][: n_rows[b] + 1])
+
+        stats.new_tokens = rows.new_tokens()
+        stats.total_s = time.perf_counter() - t_start
+        return rows.out, stats
+
+
+@dataclass
+class PlainStats:
+    new_tokens: int = 0
+    steps: int = 0
+    total_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def __iadd__(self, other: "PlainStats") -> "PlainStats":
+        self.new_tokens += other.new_tokens
+        self.steps += other.steps
+        self.total_s += other.total_s
+        return self
+
+
+@torch.inference_mode()
+def plain_generate(target, prompts: list[list[int]], max_new_tokens: int = 128,
+                   params: SamplingParams = SamplingParams(), seeds: list[int] | None = None,
+                   stop_ids: list[int] | None = None, record_gaps: bool = False,
+                   ) -> tuple[list[list[int]], PlainStats, list[list[tuple[float, float]]] | None]:
+    """Plain autoregressive decoding (one target forward per token), the baseline and the reference.
+
+    With record_gaps, also returns for each emitted token (top-1 minus top-2 logit, top-1 logit) at
+    that position: how close the choice was, the measure that tells bf16 rounding from a bug.
+    """
+    t_start = time.perf_counter()
+    B, dev = len(prompts), target.device
+    check_prompts(prompts, max_new_tokens, context_length(target))
+    gens = make_generators(seeds if seeds is not None else range(B), dev)
+    sample = sample_fn(params, gens)
+    rows = _Rows(B, max_new_tokens, stop_token_ids(target) if stop_ids is None else stop_ids, dev)
+    gaps: list[list[tuple[float, float]]] | None = [[] for _ in range(B)] if record_gaps else None
+    stats = PlainStats()
+    ids, valid = left_pad(prompts, dev)
+    tc = TargetCache(target, B)
+    logits, _ = tc.forward(ids, valid, logits_from=ids.shape[1] - 1)
+    tc.commit(valid)
+    while True:
+        stats.steps += 1
+        tok, _ = sample(logits[:, -1])  # (B,)
+        if gaps is not None:
+            top2 = logits[:, -1].topk(2, dim=-1).values.tolist()  # (B, 2)
+            for b, (first, second) in enumerate(top2):
+                if rows._active[b]:
+                    gaps[b].append((first - second, first))
+        for b, t in enumerate(tok.tolist()):
+            if rows._active[b]:
+                rows.add(b, [t])
+        if not rows.any_active:
+            break
+        running = rows.active[:, None]  # (B, 1)
+        logits, _ = tc.forward(tok[:, None], running)
+        tc.commit(running)
+    stats.new_tokens = rows.new_tokens()
+    stats.total_s = time.perf_counter() - t_start
+    return rows.out, stats, gaps
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy equality check
+# ---------------------------------------------------------------------------------------------
+
+# A (k+1)-token forward and a 1-token step round differently. On SmolLM2-135M in bf16 their logits
+# differ by up to ~0.75 at top-1 logits of ~26, i.e. ~4 bf16 epsilons of the top-1 magnitude per
+# logit; the top-2 *gap* can then move by twice that. A divergence whose gap at that position is
+# within NEAR_TIE_EPS epsilons of |top-1| is a near-tie (numerics); one beyond it is a bug.
+NEAR_TIE_EPS = 8.0
+
+
+def near_tie_tolerance(top1: float, dtype: torch.dtype) -> float:
+    return NEAR_TIE_EPS * torch.finfo(dtype).eps * max(abs(top1), 1.0)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, len of the shorter one if a prefix, None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_greedy(outputs: list[list[int]], reference: list[list[int]],
+                   gaps: list[list[tuple[float, float]]] | None, dtype: torch.dtype,
+                   ids: list | None = None) -> dict:
+    """T = 0 outputs vs plain decoding: mismatch count, near-ties, and every divergence."""
+    divergences = []
+    for r, (out, ref) in enumerate(zip(outputs, reference)):
+        i = first_divergence(out, ref)
+        if i is None:
+            continue
+        d = {"prompt": ids[r] if ids else r, "index": i, "got": out[i] if i < len(out) else None,
+             "expected": ref[i] if i < len(ref) else None}
+        if gaps is not None and i < len(gaps[r]):
+            gap, top1 = gaps[r][i]
+            tol = near_tie_tolerance(top1, dtype)
+            d.update(gap=gap, top1=top1, tolerance=tol, near_tie=gap <= tol)
+        divergences.append(d)
+    return {"mismatches": len(divergences), "near_ties": sum(bool(d.get("near_tie")) for d in divergences),
+            "divergences": divergences}

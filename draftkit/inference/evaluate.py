@@ -1,0 +1,463 @@
+"""`draftkit eval`: the acceptance and speedup a serving engine would see, measured with the real loop.
+
+    draftkit eval --head runs/eagle/head --prompts prompts.jsonl --k 5 --temperature 0 0.7 --out runs/eval
+
+For every temperature it decodes every prompt three ways, interleaved batch by batch so that load
+on the machine hits all three alike: speculative decoding with the head, plain autoregressive
+decoding of the same target (the baseline and, at T = 0, the reference the output must equal),
+and prompt-lookup (n-gram) speculation (the baseline that needs no head). It writes report.json,
+report.md and acceptance.png to --out and prints the table.
+
+The trainer calls `evaluate(target, head, prompts, baseline=False, ngram=False)` on a few held-aside
+prompts every N steps: it returns tau and acceptance_per_position cheaply.
+
+Prompt files are read here without `datasets` (eval must run on the core dependencies): JSON or
+JSONL records in the shapes the training data loader reads — ShareGPT `conversations`, OpenAI
+`messages`, MT-bench `turns` (first turn), `prompt`, Alpaca `instruction` (+ `input`) — keeping
+`category` when present.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftkit.inference.decoder import (SpecDecoder, SpecError, SpecStats, PlainStats, compare_greedy,
+                                        context_length, plain_generate, stop_token_ids)
+from draftkit.inference.ngram import NgramDrafter
+from draftkit.inference.rejection import RejectionSampler
+from draftkit.inference.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "chatgpt": "assistant", "bard": "assistant", "model": "assistant", "bing": "assistant",
+          "system": "system"}
+_ID_KEYS = ("id", "question_id", "conversation_id", "prompt_id")
+_SHAPES = "conversations (ShareGPT), messages (OpenAI), turns (MT-bench), prompt, instruction (Alpaca)"
+UNCATEGORIZED = "all"
+
+
+@dataclass
+class EvalPrompt:
+    messages: list[dict] | None  # chat messages ending with the user turn, or None for raw ids
+    category: str | None
+    id: str
+    ids: list[int] | None = None  # token ids (filled by encode, or given directly)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------
+
+
+def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
+    """Dependency-free reader for .json / .jsonl prompt files (the shapes of distill/sources.py)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"--prompts: no such file: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".jsonl":
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            data = json.loads(text) if text.strip() else []
+            records = data if isinstance(data, list) else next(
+                (data[k] for k in ("data", "prompts", "train") if isinstance(data.get(k), list)), [data])
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path}: not valid JSON{'L' if path.suffix == '.jsonl' else ''}: {e}") from e
+    if not records:
+        raise SpecError(f"{path}: the prompt file is empty")
+    prompts, unknown = [], set()
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise SpecError(f"{path}: record {i} is not a JSON object")
+        messages = record_messages(r)
+        if messages is None:
+            unknown.update(r.keys())
+            continue
+        rid = next((r[k] for k in _ID_KEYS if r.get(k) is not None), i)
+        prompts.append(EvalPrompt(messages, r.get("category") or None, f"{path.stem}:{rid}"))
+    if not prompts:
+        raise SpecError(f"{path}: no usable prompts; keys found: {sorted(unknown)}; expected one of {_SHAPES}")
+    return prompts
+
+
+def record_messages(r: dict) -> list[dict] | None:
+    """One record -> messages up to the last non-empty user turn, or None if unusable."""
+    if "conversations" in r:
+        msgs = [{"role": _ROLES.get(str(t.get("from")).lower()), "content": t.get("value")}
+                for t in r["conversations"] or []]
+    elif "messages" in r:
+        msgs = [{"role": _ROLES.get(str(t.get("role")).lower()), "content": t.get("content")}
+                for t in r["messages"] or []]
+    elif "turns" in r:
+        msgs = [{"role": "user", "content": (r["turns"] or [None])[0]}]
+    elif "prompt" in r:
+        msgs = [{"role": "user", "content": r["prompt"]}]
+    elif "instruction" in r:
+        extra = r.get("input") or ((r.get("instances") or [{}])[0].get("input"))
+        text = r["instruction"]
+        msgs = [{"role": "user", "content": f"{text}\n\n{extra}" if text and extra and extra.strip() else text}]
+    else:
+        return None
+    if any(m["role"] is None or not isinstance(m["content"], str) for m in msgs):
+        return None
+    last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+    if last_user is None or not msgs[last_user]["content"].strip():
+        return None
+    return msgs[: last_user + 1]
+
+
+def as_prompts(prompts) -> list[EvalPrompt]:
+    """Accept EvalPrompts, distill Prompts (duck-typed), strings, message lists or token-id lists."""
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, EvalPrompt):
+            out.append(p)
+        elif hasattr(p, "messages"):
+            out.append(EvalPrompt(list(p.messages), getattr(p, "category", None), str(getattr(p, "id", i))))
+        elif isinstance(p, str):
+            out.append(EvalPrompt([{"role": "user", "content": p}], None, str(i)))
+        elif isinstance(p, dict):
+            out.append(EvalPrompt(record_messages(p), p.get("category"), str(p.get("id", i))))
+        elif isinstance(p, torch.Tensor) or (isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int))):
+            out.append(EvalPrompt(None, None, str(i), [int(t) for t in p]))
+        elif isinstance(p, (list, tuple)):
+            out.append(EvalPrompt(list(p), None, str(i)))
+        else:
+            raise SpecError(f"prompt {i}: cannot use a {type(p).__name__} as a prompt")
+    return out
+
+
+def encode(tokenizer, prompt: EvalPrompt) -> list[int]:
+    if prompt.ids is not None:
+        return prompt.ids
+    if prompt.messages is None:
+        raise SpecError(f"prompt {prompt.id}: no usable user turn")
+    if tokenizer is None:
+        raise SpecError("text prompts need a tokenizer; this target has none (pass token ids)")
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer.encode("\n\n".join(m["content"] for m in prompt.messages))
+
+
+def synthesize_prompts(target, n: int, seed: int = 0, max_tokens: int = 64) -> list[EvalPrompt]:
+    """Magpie-style: the target writes user turns itself from its template's user header."""
+    tok = target.tokenizer
+    marker = "XXXX_USER_XXXX"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    prefix = tok.encode(text[: text.index(marker)], add_special_tokens=False)
+    stops = stop_token_ids(target)
+    outs, _, _ = plain_generate(target, [prefix] * (2 * n), max_tokens, SamplingParams(1.0, top_p=0.95),
+                                seeds=[seed + i for i in range(2 * n)], stop_ids=stops)
+    prompts, seen = [], set()
+    for o in outs:
+        if not o or o[-1] not in stops:  # ran out of tokens: an unfinished request
+            continue
+        s = tok.decode(o[:-1], skip_special_tokens=True).strip()
+        if len(s) >= 10 and s not in seen:
+            seen.add(s)
+            prompts.append(EvalPrompt([{"role": "user", "content": s}], "synthesized", f"magpie:{len(prompts)}"))
+    return prompts[:n]
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+class _Method:
+    """One way of decoding (spec with the head / n-gram, or plain) and its accumulated stats."""
+
+    def __init__(self, name: str, target, drafter, k: int, sampler, stop_ids):
+        self.name, self.target = name, target
+        self.decoder = SpecDecoder(target, drafter, k, sampler, stop_ids) if drafter is not None else None
+        self.stop_ids, self.k = stop_ids, k
+
+    def run(self, ids, max_new, params, seeds, record_gaps=False):
+        if self.decoder is not None:
+            outs, stats = self.decoder.generate(ids, max_new, params, seeds)
+            return outs, stats, None
+        return plain_generate(self.target, ids, max_new, params, seeds, self.stop_ids, record_gaps)
+
+
+def _fresh(method: _Method):
+    return SpecStats(method.k) if method.decoder is not None else PlainStats()
+
+
+def evaluate(target, head, prompts, *, k: int = 5, temperatures=(0.0,), max_new_tokens: int = 128,
+             batch_size: int = 1, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             baseline: bool = True, ngram: bool = True, ngram_n: int = 3, sampler: RejectionSampler | None = None,
+             stop_ids: list[int] | None = None, raise_errors: bool = True, progress: bool = False) -> dict:
+    """Measure tau, alpha_i, tokens/s and speedup of `head` (None: only the n-gram drafter) on `prompts`.
+
+    prompts: EvalPrompts, distill Prompts, strings, message lists or token-id lists.
+    baseline / ngram: also run plain decoding (tokens/s, speedup, the T = 0 equality check) and
+    the n-gram drafter. Without them it is the cheap training-time mode.
+    raise_errors=False: a failure midway returns the report so far with status "partial".
+    Returns the report dict (see report.py for the keys).
+    """
+    t_start = time.perf_counter()
+    if head is None and not ngram:
+        raise SpecError("nothing to evaluate: no head and the n-gram drafter is off")
+    temperatures = [float(t) for t in temperatures] or [0.0]
+    stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)
+    sampler = sampler or RejectionSampler("auto")
+    items, skipped = _prepare(target, as_prompts(prompts), k, max_new_tokens)
+    if not items:
+        raise SpecError(f"no prompt fits: {len(skipped)} skipped ({skipped[0]['reason'] if skipped else 'none given'})")
+    ngram_drafter = NgramDrafter(max_n=ngram_n) if ngram else None
+    methods = {}
+    if head is not None:
+        methods["spec"] = _Method("spec", target, head, k, sampler, stop_ids)
+    if baseline:
+        methods["plain"] = _Method("plain", target, None, k, sampler, stop_ids)
+    if ngram_drafter is not None:
+        methods["ngram"] = _Method("ngram", target, ngram_drafter, k, sampler, stop_ids)
+    main = "spec" if head is not None else "ngram"
+    report = {
+        "status": "running", "error": None, "target": target.info(), "dtype": str(target.dtype).replace("torch.", ""),
+        "device": str(target.device), "drafter": getattr(head, "family", None) if head is not None else "ngram",
+        "head_config": _head_summary(head), "k": k, "temperature": temperatures[0], "temperatures": temperatures,
+        "top_k": top_k, "top_p": top_p, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+        "seed": seed, "num_prompts": len(items), "skipped": skipped, "runs": [],
+        "threads": torch.get_num_threads(),
+    }
+    batches = _batches(items, batch_size)
+    try:
+        if baseline and len(methods) > 1:  # warm-up (allocator, kernels), not timed
+            warm = [items[0]["ids"]]
+            for m in methods.values():
+                m.run(warm, min(4, max_new_tokens), SamplingParams(), [0])
+        for T in temperatures:
+            params = SamplingParams(T, top_k, top_p)
+            run = {"temperature": T, "done_prompts": 0}
+            report["runs"].append(run)
+            totals = {name: _fresh(m) for name, m in methods.items()}
+            per_cat: dict[str, dict] = {}
+            outputs: dict[str, dict[int, list[int]]] = {name: {} for name in methods}
+            gaps: dict[int, list] = {}
+            for bi, batch in enumerate(batches):
+                ids = [it["ids"] for it in batch]
+                seeds = [seed + it["index"] for it in batch]
+                names = list(methods)
+                names = names[bi % len(names):] + names[: bi % len(names)]  # interleave the order
+                cat = batch[0]["category"]
+                cat_stats = per_cat.setdefault(cat, {n: _fresh(methods[n]) for n in methods} | {"num_prompts": 0})
+                for name in names:
+                    want_gaps = name == "plain" and T == 0.0
+                    outs, stats, g = methods[name].run(ids, max_new_tokens, params, seeds, want_gaps)
+                    totals[name] += stats
+                    cat_stats[name] += stats
+                    for it, o in zip(batch, outs):
+                        outputs[name][it["index"]] = o
+                    if g is not None:
+                        gaps.update({it["index"]: gg for it, gg in zip(batch, g)})
+                cat_stats["num_prompts"] += len(batch)
+                run["done_prompts"] += len(batch)
+                _fill_run(run, totals, per_cat, outputs, gaps, items, target.dtype, main)
+                if progress:
+                    print(f"  T={T:g}: {run['done_prompts']}/{len(items)} prompts, tau={run.get('tau') or 0:.2f}",
+                          file=sys.stderr, flush=True)
+        report["status"] = "complete"
+    except (Exception, KeyboardInterrupt) as e:
+        if raise_errors:
+            raise
+        report["status"] = "partial"
+        report["error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        log.error("evaluation stopped midway: %s", report["error"])
+    report.update({key: val for key, val in (report["runs"][0] if report["runs"] else {}).items()
+                   if key not in ("temperature", "done_prompts")})
+    greedy_run = next((r for r in report["runs"] if r["temperature"] == 0.0), None)
+    if greedy_run is not None:  # the equality check lives in the T = 0 run, whichever comes first
+        report.update({key: val for key, val in greedy_run.items() if "greedy" in key})
+    report["seconds"] = time.perf_counter() - t_start
+    return report
+
+
+def _prepare(target, prompts: list[EvalPrompt], k: int, max_new_tokens: int) -> tuple[list[dict], list[dict]]:
+    """Tokenize; prompts that are empty or do not fit the context are skipped with a reason."""
+    ctx = context_length(target)
+    items, skipped = [], []
+    for i, p in enumerate(prompts):
+        try:
+            ids = encode(target.tokenizer, p)
+        except SpecError as e:
+            skipped.append({"id": p.id, "reason": str(e)})
+            continue
+        if not ids:
+            skipped.append({"id": p.id, "reason": "empty prompt"})
+        elif len(ids) + max_new_tokens + k + 1 > ctx:
+            skipped.append({"id": p.id, "reason": f"too long: {len(ids)} prompt tokens + max_new_tokens "
+                                                 f"{max_new_tokens} + k+1 {k + 1} > context {ctx}"})
+        else:
+            items.append({"index": i, "id": p.id, "category": p.category or UNCATEGORIZED, "ids": ids})
+    for s in skipped:
+        log.warning("skipping prompt %s: %s", s["id"], s["reason"])
+    return items, skipped
+
+
+def _batches(items: list[dict], batch_size: int) -> list[list[dict]]:
+    """Batches of one category each (so per-category stats are exact), similar lengths together."""
+    if batch_size < 1:
+        raise SpecError(f"batch_size must be >= 1, got {batch_size}")
+    by_cat: dict[str, list[dict]] = {}
+    for it in items:
+        by_cat.setdefault(it["category"], []).append(it)
+    out = []
+    for group in by_cat.values():
+        group = sorted(group, key=lambda it: len(it["ids"])) if batch_size > 1 else group
+        out += [group[i: i + batch_size] for i in range(0, len(group), batch_size)]
+    return out
+
+
+def _summary(totals: dict, main: str) -> dict:
+    """tau, alpha, tokens/s, speedups from accumulated stats of each method."""
+    s: dict = {}
+    spec = totals.get(main)
+    plain = totals.get("plain")
+    if spec is not None:
+        d = spec.to_dict()
+        s.update(tau=d["tau"], acceptance_per_position=d["acceptance_per_position"],
+                 accepted_length_histogram=d["accepted_length_histogram"], tokens_per_s=d["tokens_per_s"],
+                 draft_ms_per_step=d["draft_ms_per_step"], verify_ms_per_step=d["verify_ms_per_step"],
+                 draft_s=d["draft_s"], verify_s=d["verify_s"], prefill_s=d["prefill_s"], steps=d["steps"],
+                 new_tokens=d["new_tokens"])
+    if plain is not None:
+        s.update(baseline_tokens_per_s=plain.tokens_per_s,
+                 plain_ms_per_step=1e3 * plain.total_s / max(plain.steps, 1))
+        if spec is not None:
+            s["speedup"] = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else None
+    else:
+        s.update(baseline_tokens_per_s=None, speedup=None)
+    if "ngram" in totals and main != "ngram":
+        n = totals["ngram"].to_dict()
+        s["ngram"] = {key: n[key] for key in ("tau", "acceptance_per_position", "tokens_per_s",
+                                              "draft_ms_per_step", "verify_ms_per_step")}
+        s["ngram"]["speedup"] = (n["tokens_per_s"] / plain.tokens_per_s) if plain is not None and plain.tokens_per_s else None
+    return s
+
+
+def _fill_run(run, totals, per_cat, outputs, gaps, items, dtype, main) -> None:
+    run.update(_summary(totals, main))
+    run["per_category"] = {cat: {"num_prompts": st["num_prompts"], **_summary(st, main)} for cat, st in per_cat.items()}
+    if run["temperature"] == 0.0 and "plain" in outputs:
+        done = [it for it in items if it["index"] in outputs["plain"]]
+        ref = [outputs["plain"][it["index"]] for it in done]
+        g = [gaps.get(it["index"], []) for it in done]
+        pids = [it["id"] for it in done]
+        for name in outputs:
+            if name == "plain":
+                continue
+            cmp = compare_greedy([outputs[name][it["index"]] for it in done], ref, g, dtype, pids)
+            prefix = "greedy" if name == main else "ngram_greedy"
+            run[f"{prefix}_mismatches"] = cmp["mismatches"]
+            run[f"{prefix}_near_ties"] = cmp["near_ties"]
+            run[f"{prefix}_divergences"] = cmp["divergences"]
+    else:
+        run.setdefault("greedy_mismatches", None)
+
+
+def _head_summary(head) -> dict | None:
+    if head is None or not hasattr(head, "config"):
+        return None
+    c = head.config
+    return {"family": getattr(head, "family", None), "target": getattr(c, "target", None),
+            "feature_layers": list(getattr(head, "feature_layers", ())),
+            "num_layers": getattr(c, "num_layers", None)}
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", help="head directory (<output_dir>/head, or the output_dir itself); "
+                                  "without it only the n-gram drafter is measured")
+    p.add_argument("--target", help="target model dir / .gguf / hub id (default: the embedded SmolLM2-135M)")
+    p.add_argument("--prompts", nargs="+", help=".json/.jsonl prompt files (default: prompts synthesized by the target)")
+    p.add_argument("--k", type=int, default=5, help="draft tokens per step (default 5)")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--limit", type=int, help="evaluate at most N prompts (the first N of the files)")
+    p.add_argument("--num-synthesized", type=int, default=16, help="prompts to synthesize without --prompts")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0, help="row i samples with seed + i")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="rejection sampler")
+    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no equality check)")
+    p.add_argument("--no-ngram", action="store_true", help="skip the prompt-lookup baseline")
+    p.add_argument("--ngram-n", type=int, default=3, help="longest n-gram the lookup drafter matches")
+    p.add_argument("--force", action="store_true", help="use a head whose recorded target does not match")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--out", default="runs/eval", help="directory for report.json, report.md, acceptance.png")
+
+
+def resolve_head_dir(path: str) -> Path:
+    d = Path(path)
+    if (d / "head" / "config.json").is_file() and not (d / "config.json").is_file():
+        return d / "head"
+    return d
+
+
+def run(args) -> int:
+    from draftkit.heads.base import HeadError, load_head
+    from draftkit.inference.report import format_table, write_report
+    from draftkit.target import TargetError, load_target
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.k < 1:
+            raise SpecError(f"--k must be >= 1, got {args.k}")
+        prompts: list[EvalPrompt] = []
+        for f in args.prompts or []:
+            prompts += read_prompt_file(f)
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        head = None
+        if args.head:
+            head = load_head(resolve_head_dir(args.head), target, strict_target=not args.force)
+            head.to(dtype=target.dtype).eval()
+        if not args.prompts:
+            print(f"no --prompts: synthesizing {args.num_synthesized} prompts with the target", file=sys.stderr)
+            prompts = synthesize_prompts(target, args.num_synthesized, args.seed)
+            if not prompts:
+                raise SpecError("the target synthesized no usable prompts; pass --prompts FILE")
+        if args.limit is not None:
+            prompts = prompts[: args.limit]
+    except (SpecError, HeadError, TargetError) as e:
+        print(f"draftkit eval: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    try:
+        report = evaluate(target, head, prompts, k=args.k, temperatures=args.temperature,
+                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, baseline=not args.no_baseline,
+                          ngram=not args.no_ngram, ngram_n=args.ngram_n,
+                          sampler=RejectionSampler(args.backend), raise_errors=False, progress=True)
+    except (SpecError, ValueError) as e:
+        print(f"draftkit eval: error: {e}", file=sys.stderr)
+        return 2
+    report["head_dir"] = str(resolve_head_dir(args.head)) if args.head else None
+    report["prompt_files"] = args.prompts
+    paths = write_report(report, out)
+    print(format_table(report))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    if report["status"] != "complete":
+        print(f"draftkit eval: stopped midway ({report['error']}); the partial report covers what finished",
+              file=sys.stderr)
+        return 1
+    return 0

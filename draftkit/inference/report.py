@@ -1,0 +1,191 @@
+"""Evaluation reports: report.json (everything), report.md (the tables), acceptance.png (the plot).
+
+report.json keys (top level = the first temperature; `runs` holds one entry per temperature):
+  status ("complete" | "partial"), error, num_prompts, skipped, k, temperature, temperatures,
+  tau                       tokens per target forward per row, the bonus / recovered token included
+  acceptance_per_position   alpha_i = P(draft i accepted | drafts before it accepted), i = 1..k
+  accepted_length_histogram row-steps that accepted 0..k drafts
+  tokens_per_s, baseline_tokens_per_s, speedup   speculative vs plain decoding, same run, interleaved
+  draft_ms_per_step, verify_ms_per_step          the cost model: one head draft vs one target verify
+  greedy_mismatches, greedy_near_ties, greedy_divergences   (T = 0 only) vs plain decoding
+  ngram                     the prompt-lookup baseline: tau, alpha, tokens_per_s, speedup
+  per_category              the same numbers per prompt category
+matplotlib is optional: without it acceptance.png is skipped with a warning.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def write_report(report: dict, out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [_atomic_write(out / "report.json", json.dumps(report, indent=2, default=str)),
+             _atomic_write(out / "report.md", format_markdown(report))]
+    png = write_plot(report, out / "acceptance.png")
+    return paths + ([png] if png else [])
+
+
+def _atomic_write(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def _f(x, spec: str = ".2f", none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _alpha(alphas) -> str:
+    return " ".join(_f(a, ".2f") for a in alphas or [])
+
+
+def summary_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for run in report.get("runs", []):
+        ng = run.get("ngram") or {}
+        mism = run.get("greedy_mismatches")
+        if mism is not None and report.get("dtype") != "float32":
+            mism = f"{mism} ({run.get('greedy_near_ties', 0)} near-ties)"
+        rows.append([_f(run["temperature"], "g"), str(run.get("done_prompts", "")), _f(run.get("tau")),
+                     _alpha(run.get("acceptance_per_position")), _f(run.get("tokens_per_s"), ".1f"),
+                     _f(run.get("baseline_tokens_per_s"), ".1f"), _f(run.get("speedup"), ".2f") + "x",
+                     _f(ng.get("tau")), _f(ng.get("speedup"), ".2f") + "x",
+                     _f(run.get("draft_ms_per_step"), ".1f"), _f(run.get("verify_ms_per_step"), ".1f"),
+                     _f(run.get("plain_ms_per_step"), ".1f"), "–" if mism is None else str(mism)])
+    return rows
+
+
+SUMMARY_HEADER = ["T", "prompts", "tau", "alpha_1..k", "tok/s", "plain tok/s", "speedup", "ngram tau",
+                  "ngram speedup", "draft ms/step", "verify ms/step", "plain ms/tok", "T=0 mismatches"]
+CATEGORY_HEADER = ["T", "category", "prompts", "tau", "alpha_1..k", "tok/s", "plain tok/s", "speedup",
+                   "ngram tau", "ngram speedup"]
+
+
+def category_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for run in report.get("runs", []):
+        for cat, c in sorted((run.get("per_category") or {}).items()):
+            ng = c.get("ngram") or {}
+            rows.append([_f(run["temperature"], "g"), cat, str(c.get("num_prompts")), _f(c.get("tau")),
+                         _alpha(c.get("acceptance_per_position")), _f(c.get("tokens_per_s"), ".1f"),
+                         _f(c.get("baseline_tokens_per_s"), ".1f"), _f(c.get("speedup"), ".2f") + "x",
+                         _f(ng.get("tau")), _f(ng.get("speedup"), ".2f") + "x"])
+    return rows
+
+
+def _text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _title(report: dict) -> str:
+    t = report.get("target") or {}
+    return (f"{report.get('drafter')} head on {t.get('name')} ({report.get('dtype')}, {report.get('device')}), "
+            f"k={report.get('k')}, batch {report.get('batch_size')}, max {report.get('max_new_tokens')} new tokens, "
+            f"{report.get('num_prompts')} prompts")
+
+
+def format_table(report: dict) -> str:
+    """The table `draftkit eval` prints."""
+    parts = [_title(report), _text_table(SUMMARY_HEADER, summary_rows(report))]
+    cats = category_rows(report)
+    if len({r[1] for r in cats}) > 1:
+        parts += ["", _text_table(CATEGORY_HEADER, cats)]
+    for run in report.get("runs", []):
+        if run.get("accepted_length_histogram"):
+            parts.append(f"T={run['temperature']:g} accepted drafts per step (0..k): {run['accepted_length_histogram']}")
+    if report.get("skipped"):
+        parts.append(f"skipped {len(report['skipped'])} prompts (see report.json)")
+    if report.get("status") != "complete":
+        parts.append(f"PARTIAL: {report.get('error')}")
+    return "\n".join(parts)
+
+
+def format_markdown(report: dict) -> str:
+    md = [f"# Speculative decoding evaluation\n\n{_title(report)}.\n",
+          f"Status: **{report.get('status')}**" + (f" — {report['error']}" if report.get("error") else ""), "",
+          "tau = tokens per target forward per row (bonus included); alpha_i = acceptance of draft i given "
+          "drafts 1..i-1 were accepted; speedup = speculative tokens/s over plain decoding of the same target "
+          "on the same prompts, measured interleaved in this run.", "", "## Summary", "",
+          _md_table(SUMMARY_HEADER, summary_rows(report)), ""]
+    cats = category_rows(report)
+    if cats:
+        md += ["## Per category", "", _md_table(CATEGORY_HEADER, cats), ""]
+    md += ["## Accepted drafts per step", "", _md_table(
+        ["T"] + [str(i) for i in range(report.get("k", 0) + 1)],
+        [[_f(r["temperature"], "g")] + [str(n) for n in r.get("accepted_length_histogram") or []]
+         for r in report.get("runs", [])]), ""]
+    for run in report.get("runs", []):
+        divs = run.get("greedy_divergences")
+        if divs is None:
+            continue
+        md += [f"## T = 0 equality with plain decoding", "",
+               f"{run.get('greedy_mismatches')} of {run.get('done_prompts')} prompts differ "
+               f"({run.get('greedy_near_ties', 0)} at near-ties of the target's top-2 logits).", ""]
+        if divs:
+            md += [_md_table(["prompt", "token index", "got", "expected", "top-2 gap", "tolerance", "near-tie"],
+                             [[str(d["prompt"]), str(d["index"]), str(d["got"]), str(d["expected"]),
+                               _f(d.get("gap"), ".4f"), _f(d.get("tolerance"), ".4f"), str(d.get("near_tie", "–"))]
+                              for d in divs[:50]]), ""]
+    if report.get("skipped"):
+        md += ["## Skipped prompts", ""] + [f"- {s['id']}: {s['reason']}" for s in report["skipped"]] + [""]
+    md += ["![acceptance](acceptance.png)", ""]
+    return "\n".join(md)
+
+
+def write_plot(report: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: skipping %s (pip install matplotlib)", path.name)
+        return None
+    runs = [r for r in report.get("runs", []) if r.get("acceptance_per_position")]
+    if not runs:
+        return None
+    k = report.get("k", len(runs[0]["acceptance_per_position"]))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / (len(runs) + any(r.get("ngram") for r in runs))
+    for j, run in enumerate(runs):
+        alphas = [a if a is not None else 0.0 for a in run["acceptance_per_position"]]
+        ax1.bar([i + 1 + j * width for i in range(k)], alphas, width,
+                label=f"{report.get('drafter')} T={run['temperature']:g} (tau {run.get('tau') or 0:.2f})")
+        hist = run.get("accepted_length_histogram") or []
+        total = max(sum(hist), 1)
+        ax2.bar([i + j * width for i in range(len(hist))], [h / total for h in hist], width,
+                label=f"T={run['temperature']:g}")
+    ng = runs[0].get("ngram")
+    if ng and ng.get("acceptance_per_position"):
+        ax1.bar([i + 1 + len(runs) * width for i in range(k)],
+                [a if a is not None else 0.0 for a in ng["acceptance_per_position"]], width, color="grey",
+                label=f"n-gram T={runs[0]['temperature']:g} (tau {ng.get('tau') or 0:.2f})")
+    ax1.set(xlabel="draft position i", ylabel="alpha_i (given earlier accepted)", ylim=(0, 1),
+            title="acceptance per draft position")
+    ax1.set_xticks(range(1, k + 1))
+    ax1.legend(fontsize=8)
+    ax2.set(xlabel="drafts accepted in a step", ylabel="fraction of steps", title="accepted length")
+    ax2.set_xticks(range(k + 1))
+    ax2.legend(fontsize=8)
+    speed = runs[0].get("speedup")
+    fig.suptitle(_title(report) + (f" — speedup {speed:.2f}x" if speed else ""), fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,206 @@
+"""`draftkit eval` and `evaluate()`: reports, prompt files, bad input, partial reports.
+
+Tiny random llamas with the fixture ChatML tokenizer; the one test on the embedded SmolLM2 target
+is marked `integration`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftkit.cli import main as cli
+from draftkit.heads import build_head
+from draftkit.inference.decoder import SpecError
+from draftkit.inference.evaluate import evaluate, read_prompt_file
+from draftkit.inference.report import format_table, write_report
+
+FIXTURES = Path(__file__).parent / "fixtures"
+KEYS = ("tau", "acceptance_per_position", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+        "greedy_mismatches", "num_prompts", "k", "temperature", "per_category")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and OpenMP spinning on a busy 2-core box costs 10x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def chat_target(seed=0):
+    """A tiny llama sized to the fixture tokenizer (so text prompts and chat templates work)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from draftkit.target import Target
+
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      pad_token_id=tok.pad_token_id, initializer_range=0.2)
+    return Target(LlamaForCausalLM(cfg), tok, name=f"chat-llama-{seed}")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return chat_target()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, target):
+    """A target directory and a head directory trained (well, built) against it."""
+    root = tmp_path_factory.mktemp("eval")
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    build_head({"type": "eagle"}, target).save_pretrained(root / "run" / "head")
+    return root
+
+
+def test_evaluate_report(target, tmp_path):
+    prompts = read_prompt_file(FIXTURES / "data" / "mtbench.jsonl") + read_prompt_file(FIXTURES / "data" / "prompt.jsonl")
+    head = build_head({"type": "eagle"}, target)
+    rep = evaluate(target, head, prompts, k=3, temperatures=(0.0, 0.7), max_new_tokens=12, batch_size=2)
+    assert all(key in rep for key in KEYS)
+    assert rep["status"] == "complete" and rep["num_prompts"] == 4 and rep["k"] == 3 and rep["temperature"] == 0.0
+    assert rep["greedy_mismatches"] == 0 and rep["ngram_greedy_mismatches"] == 0
+    assert rep["tau"] >= 1.0 and len(rep["acceptance_per_position"]) == 3
+    assert set(rep["per_category"]) == {"writing", "math", "all"}
+    assert rep["per_category"]["math"]["num_prompts"] == 1
+    assert [r["temperature"] for r in rep["runs"]] == [0.0, 0.7] and rep["runs"][1]["greedy_mismatches"] is None
+    assert rep["speedup"] > 0 and rep["ngram"]["tau"] >= 1.0
+    assert sum(rep["accepted_length_histogram"]) == rep["runs"][0]["steps"] or rep["batch_size"] > 1
+    paths = write_report(rep, tmp_path)
+    names = {p.name for p in paths}
+    assert {"report.json", "report.md"} <= names
+    pytest.importorskip("matplotlib")
+    assert "acceptance.png" in names and (tmp_path / "acceptance.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "report.json").read_text())["tau"] == rep["tau"]
+    assert "tau" in format_table(rep) and "| T |" in (tmp_path / "report.md").read_text()
+
+
+def test_training_time_mode_is_cheap(target):
+    head = build_head({"type": "eagle"}, target)
+    rep = evaluate(target, head, ["Say hi.", [5, 6, 7, 8]], k=2, max_new_tokens=6, baseline=False, ngram=False)
+    assert rep["status"] == "complete" and rep["num_prompts"] == 2
+    assert rep["tau"] >= 1.0 and len(rep["acceptance_per_position"]) == 2
+    assert rep["speedup"] is None and rep["greedy_mismatches"] is None and "ngram" not in rep
+
+
+def test_prompt_files():
+    d = FIXTURES / "data"
+    mt = read_prompt_file(d / "mtbench.jsonl")
+    assert [p.category for p in mt] == ["writing", "math"]
+    assert mt[0].messages == [{"role": "user", "content": "Compose a travel blog post about Hawaii."}]
+    alp = read_prompt_file(d / "alpaca.json")
+    assert alp[0].messages[0]["content"] == "Translate to English.\n\nGuten Morgen"
+    assert len(read_prompt_file(d / "prompt.jsonl")) == 2  # the blank prompt is dropped
+    sg = read_prompt_file(d / "sharegpt.json")
+    assert sg[0].messages[-1] == {"role": "user", "content": "Have a nice day!"} and sg[0].id.endswith("sg0")
+    oa = read_prompt_file(d / "openai.jsonl")
+    assert oa[0].messages[-1]["content"] == "Write a short poem about the sea." and oa[0].messages[0]["role"] == "system"
+    with pytest.raises(SpecError, match="no usable prompts.*question"):
+        read_prompt_file(d / "unknown.jsonl")
+
+
+def test_bad_input(target, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SpecError, match="empty"):
+        read_prompt_file(empty)
+    head = build_head({"type": "eagle"}, target)
+    long_prompt = list(range(3, 250))
+    rep = evaluate(target, head, [long_prompt, "Hello there."], k=2, max_new_tokens=8, baseline=False, ngram=False)
+    assert rep["num_prompts"] == 1 and "too long" in rep["skipped"][0]["reason"]
+    with pytest.raises(SpecError, match="no prompt fits"):
+        evaluate(target, head, [long_prompt], k=2, max_new_tokens=8)
+    with pytest.raises(SpecError, match="k"):
+        evaluate(target, head, ["Hi"], k=0)
+
+
+def test_failure_midway_leaves_a_partial_report(target, tmp_path):
+    head = build_head({"type": "eagle"}, target)
+    calls = {"n": 0}
+    real_draft = head.draft
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 12:
+            raise RuntimeError("out of memory (simulated)")
+        return real_draft(*args, **kwargs)
+
+    head.draft = flaky
+    prompts = [[5, 6, 7, 8 + i] for i in range(6)]
+    rep = evaluate(target, head, prompts, k=2, max_new_tokens=4, raise_errors=False)
+    assert rep["status"] == "partial" and "simulated" in rep["error"]
+    assert 0 < rep["runs"][0]["done_prompts"] < 6 and rep["tau"] >= 1.0
+    paths = write_report(rep, tmp_path)
+    assert json.loads(paths[0].read_text())["status"] == "partial"
+    with pytest.raises(RuntimeError):
+        calls["n"] = 0
+        evaluate(target, head, prompts, k=2, max_new_tokens=4)
+
+
+def test_cli(saved, tmp_path, capsys):
+    args = ["eval", "--head", str(saved / "run"), "--target", str(saved / "target"), "--prompts",
+            str(FIXTURES / "data" / "mtbench.jsonl"), "--k", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "a")]
+    assert cli(args) == 0
+    rep = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert rep["status"] == "complete" and rep["greedy_mismatches"] == 0 and rep["num_prompts"] == 2
+    assert "speedup" in capsys.readouterr().out
+    # k larger than the head supports / k <= 0, an empty prompt file: clear errors, exit code 2
+    assert cli(args[:-4] + ["--k", "0", "--out", str(tmp_path / "b")]) == 2
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    bad = list(args)
+    bad[bad.index("--prompts") + 1] = str(empty)
+    assert cli(bad) == 2
+    assert "empty" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_head_of_another_target(saved, tmp_path, capsys):
+    other = chat_target(seed=1)
+    other.model.save_pretrained(tmp_path / "other")
+    other.tokenizer.save_pretrained(tmp_path / "other")
+    args = ["eval", "--head", str(saved / "run" / "head"), "--target", str(tmp_path / "other"), "--prompts",
+            str(FIXTURES / "data" / "prompt.jsonl"), "--k", "2", "--max-new-tokens", "4", "--no-ngram",
+            "--out", str(tmp_path / "o")]
+    assert cli(args) == 2
+    assert "fingerprint" in capsys.readouterr().err
+    assert cli(args + ["--force"]) == 0
+
+
+@pytest.mark.integration
+def test_eval_on_the_embedded_target(tmp_path):
+    """fp32 SmolLM2-135M: a random EAGLE head loses nothing; the n-gram drafter too."""
+    from draftkit.target import load_target
+
+    target = load_target(None, dtype="float32")
+    build_head({"type": "eagle"}, target).save_pretrained(tmp_path / "head")
+    out = tmp_path / "eval"
+    rc = cli(["eval", "--head", str(tmp_path / "head"), "--prompts", str(FIXTURES / "data" / "prompt.jsonl"),
+              "--k", "3", "--max-new-tokens", "16", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["greedy_mismatches"] == 0 and rep["ngram_greedy_mismatches"] == 0 and rep["num_prompts"] == 2
+    assert (out / "report.md").is_file()
+
+
+def test_ngram_only_without_a_head(target):
+    rep = evaluate(target, None, ["Repeat: a b c a b c a b c", "Count to five."], k=3, max_new_tokens=10)
+    assert rep["drafter"] == "ngram" and rep["greedy_mismatches"] == 0 and rep["tau"] >= 1.0
+    with pytest.raises(SpecError, match="nothing to evaluate"):
+        evaluate(target, None, ["Hi"], ngram=False)
+
+
+def test_synthesized_prompts_are_user_turns(target):
+    from draftkit.inference.evaluate import synthesize_prompts
+
+    prompts = synthesize_prompts(target, 3, seed=0, max_tokens=12)
+    assert len(prompts) <= 3
+    for p in prompts:
+        assert p.category == "synthesized" and p.messages[0]["role"] == "user" and p.messages[0]["content"]
