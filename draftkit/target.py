@@ -88,10 +88,11 @@ def embedded_model_dir() -> Path:
 
 
 def fingerprint_tensors(*tensors: Tensor) -> str:
+    """Hash of the values rounded to bfloat16, so one checkpoint loaded in fp32 or bf16 matches."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        h.update(t.detach().to("cpu").to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

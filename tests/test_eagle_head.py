@@ -93,3 +93,10 @@ def test_eagle_ragged_rows_equal_single_rows(tiny_target):
     head.draft(s, f[1:2, :4], ids[1:2, 1:5], torch.ones(1, 4, dtype=torch.bool), 3, greedy)
     t2, _ = head.draft(s, f[1:2, 6:9], ids[1:2, 7:10], torch.ones(1, 3, dtype=torch.bool), 3, greedy)
     assert torch.equal(t2[0], tok_b2[1])
+
+
+def test_target_fingerprint_is_the_same_in_fp32_and_bf16():
+    a = make_tiny_target(seed=5)
+    b = make_tiny_target(seed=5, dtype=torch.bfloat16)
+    assert a.fingerprint == b.fingerprint
+    assert make_tiny_target(seed=6).fingerprint != a.fingerprint
