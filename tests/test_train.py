@@ -210,6 +210,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tiny_model_dir, prom
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_launcher_two_processes(tiny_model_dir, prompt_file, tmp_path, stage):
     args = recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache", "train.max_steps=3",
+                       "train.log_every=3", "train.eval_every=3", "train.eval_k=2", "train.eval_max_new_tokens=8",
                        f"deepspeed={{zero_optimization: {{stage: {stage}}}}}")
     res = launch([str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(29500 + stage),
                   "draftkit/train/run.py", "recipes/quick.yaml", *args], timeout=400)
@@ -224,6 +225,7 @@ def test_deepspeed_launcher_two_processes(tiny_model_dir, prompt_file, tmp_path,
     assert json.loads((tmp_path / "run" / "head" / "config.json").read_text())["target"]["fingerprint"] == target.fingerprint
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 3 and "heldout_acc" in log[-1]
+    assert 1.0 <= log[-1]["tau"] <= 3.0 and len([k for k in log[-1] if k.startswith("alpha_")]) == 2
     assert head.feature_layers == (-1,)
 
 

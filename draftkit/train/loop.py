@@ -1,6 +1,7 @@
 """The training loop: prepare data sized to the run, distill the head with DeepSpeed, export it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -189,10 +190,13 @@ class Trainer:
         from draftkit.inference.evaluate import evaluate
 
         r = self.recipe.train
+        if not self.data.holdout_prompts:
+            return {}
         self.head.eval()
-        try:
-            rep = evaluate(self.target, self.head, self.data.holdout_prompts, k=r.eval_k,
-                           max_new_tokens=r.eval_max_new_tokens, baseline=False)
+        try:  # every rank runs it (ZeRO-3 gathers collectively); only rank 0 logs
+            with self.gathered():
+                rep = evaluate(self.target, self.head, self.data.holdout_prompts, k=r.eval_k,
+                               max_new_tokens=r.eval_max_new_tokens, baseline=False, ngram=False)
         finally:
             self.head.train()
         out = {"tau": rep["tau"]}
@@ -236,18 +240,20 @@ class Trainer:
         logger.finish()
         return head_dir
 
+    def gathered(self):
+        """Full head weights on every rank for the duration (ZeRO-3 partitions them)."""
+        if self.ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.head.parameters()), modifier_rank=None)
+
     def export(self) -> Path:
         """Write <output_dir>/head/ (config.json + model.safetensors), atomically, from rank 0."""
         head_dir = self.out / "head"
-        params = list(self.head.parameters())
-        if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                if self.main:
-                    self._save_head(head_dir)
-        elif self.main:
-            self._save_head(head_dir)
+        with self.gathered():
+            if self.main:
+                self._save_head(head_dir)
         barrier()
         return head_dir
 
