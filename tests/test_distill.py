@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from draftkit.distill import (
-    Conversation, GenerationSettings, Prompt, PromptSource, SynthesisSettings, build_samples,
+    Conversation, GenerationSettings, Prompt, PromptSource, SynthesisSettings, build_samples, synthesize_cached,
     load_prompts, magpie_prefix, prepare_samples, regenerate, synthesize_prompts,
     tokenize_conversation,
 )
@@ -315,3 +315,19 @@ def test_prepare_samples_synthesizes_without_sources(model, tokenizer, tmp_path,
     again = prepare_samples(model, tokenizer, **kw)
     assert generated_rows == [] and again[0] == samples  # prompts and responses both cached
     assert math.isfinite(stats["response_tokens"])
+
+
+def test_interrupted_synthesis_continues_from_finished_batches(model, tokenizer, tmp_path, generated_rows):
+    settings = SynthesisSettings(batch_size=4, max_new_tokens=12)
+    first = synthesize_cached(model, tokenizer, 3, settings, tmp_path, target_id="t", seed=1, progress=False)
+    calls = len(generated_rows)
+    assert calls > 0
+    # A larger n (as after a kill, or a bigger run) reuses every sampled batch and only samples more.
+    more = synthesize_cached(model, tokenizer, 6, settings, tmp_path, target_id="t", seed=1, progress=False)
+    assert more[:len(first)] == first and len(more) > len(first)
+    assert len(generated_rows) > calls
+    done = len(generated_rows)
+    for p in tmp_path.glob("prompts-*.jsonl"):  # the finished lists are gone, the batches are not
+        p.unlink()
+    assert synthesize_cached(model, tokenizer, 6, settings, tmp_path, target_id="t", seed=1, progress=False) == more
+    assert len(generated_rows) == done

@@ -70,7 +70,9 @@ def synthesize_prompts(
 
 @torch.inference_mode()
 def _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature, top_p, seed,
-                min_chars, max_chars, max_attempts, progress) -> tuple[list[Prompt], dict]:
+                min_chars, max_chars, max_attempts, progress,
+                batch_dir: Path | None = None) -> tuple[list[Prompt], dict]:
+    """batch_dir: where each sampled batch is kept, so an interrupted synthesis continues."""
     prefix = tokenizer(magpie_prefix(tokenizer), add_special_tokens=False)["input_ids"]
     stops = sorted(end_of_turn_ids(tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
@@ -80,15 +82,23 @@ def _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature, to
     bar = tqdm(total=n, desc="magpie", unit="prompt", disable=not progress)
     while len(prompts) < n and counts["generated"] < max_attempts:
         bs = min(batch_size, max_attempts - counts["generated"])
-        torch.manual_seed(seed + counts["generated"])
-        input_ids = torch.tensor([prefix] * bs, device=model.device)  # (B, T_prefix), no padding
-        out = model.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p,
-            top_k=0, eos_token_id=stops, pad_token_id=pad,
-        )[:, len(prefix):]  # (B, T_new)
+        batch_file = batch_dir / f"batch-{counts['generated']}-{bs}.json" if batch_dir else None
+        if batch_file is not None and batch_file.is_file():  # finished before an interruption
+            rows = json.loads(batch_file.read_text())
+        else:
+            torch.manual_seed(seed + counts["generated"])
+            input_ids = torch.tensor([prefix] * bs, device=model.device)  # (B, T_prefix), no padding
+            rows = model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p,
+                top_k=0, eos_token_id=stops, pad_token_id=pad,
+            )[:, len(prefix):].tolist()  # (B, T_new)
+            if batch_file is not None:
+                tmp = batch_file.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(rows))
+                os.replace(tmp, batch_file)
         counts["generated"] += bs
-        for row in out.tolist():
+        for row in rows:
             end = next((j for j, t in enumerate(row) if t in stops), None)
             if end is None:
                 counts["unfinished"] += 1
@@ -123,10 +133,14 @@ def synthesize_cached(
     """
     key = json.dumps({"target": target_id, "seed": seed, "n": n, **asdict(settings)}, sort_keys=True)
     path = Path(cache_dir) / f"prompts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
+    # Raw sampled batches do not depend on n: a larger n reuses them, an interrupted run continues.
+    batch_key = json.dumps({"target": target_id, "seed": seed, **asdict(settings)}, sort_keys=True)
+    batch_dir = Path(cache_dir) / f"magpie-{hashlib.sha256(batch_key.encode()).hexdigest()[:16]}"
     if rank == 0 and not path.exists():
+        batch_dir.mkdir(parents=True, exist_ok=True)
         prompts, counts = _synthesize(model, tokenizer, n, settings.batch_size, settings.max_new_tokens,
                                       settings.temperature, settings.top_p, seed, settings.min_chars,
-                                      settings.max_chars, None, progress)
+                                      settings.max_chars, None, progress, batch_dir)
         log.info("magpie: %s", counts)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
