@@ -1,0 +1,123 @@
+"""Train every head family on the same data, token budget and seed, then measure them side by side.
+
+Each family trains with its own recipe (recipes/<family>.yaml: head and optimizer settings) but
+with the data section of one base recipe (default recipes/eagle.yaml, so the regenerated responses
+and cached features are shared) and the same max_steps / batch / seed. Then every head is
+evaluated with the real draft-verify loop (draftkit.inference.evaluate) on the same prompts at
+T = 0 and T = 0.7: parameters, training time, τ, α_1..α_k, speedup.
+
+    python benchmarks/compare_heads.py                               # the CPU-hour setting
+    python benchmarks/compare_heads.py --max-steps 200 --limit 8      # a quick look
+Writes benchmarks/results/compare_heads.json and .md (the README's table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEV_PROMPTS = ROOT.parent / "shared" / "data" / "dev" / "spec_bench_400.jsonl"
+
+
+def flatten(prefix: str, value) -> list[str]:
+    """A mapping -> `a.b=c` overrides (lists and scalars as inline YAML)."""
+    if isinstance(value, dict) and value:
+        return [o for k, v in value.items() for o in flatten(f"{prefix}.{k}", v)]
+    return [f"{prefix}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"]
+
+
+def train(family: str, args, data_overrides: list[str]) -> dict:
+    out = Path(args.out_dir) / family
+    cmd = [sys.executable, "draftkit/train/run.py", f"recipes/{family}.yaml", f"output_dir={out}",
+           f"train.max_steps={args.max_steps}", f"train.micro_batch_size={args.micro_batch}", "train.grad_accum=1",
+           f"train.seed={args.seed}", "train.eval_every=0", "logging.wandb_project=null", "train.resume=none",
+           *data_overrides, *args.override]
+    if family == "eagle3":
+        cmd.append(f"head.ttt_steps={args.eagle3_ttt_steps}")
+    t0 = time.time()
+    res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"})
+    if res.returncode != 0:
+        raise SystemExit(f"{family}: training failed ({res.returncode}): {' '.join(cmd)}")
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    return {"train_seconds": time.time() - t0, "head_dir": str(out / "head"), "final": log[-1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="+", default=["eagle", "eagle3", "medusa", "mtp"])
+    ap.add_argument("--base-recipe", default="recipes/eagle.yaml", help="whose data section every family uses")
+    ap.add_argument("--max-steps", type=int, default=600)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eagle3-ttt-steps", type=int, default=3)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--limit", type=int, default=16, help="eval prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--skip-train", action="store_true", help="evaluate heads already in --out-dir")
+    ap.add_argument("--out-dir", default="runs/compare")
+    ap.add_argument("--override", nargs="*", default=[], help="extra recipe overrides for every family")
+    ap.add_argument("--out", default="benchmarks/results/compare_heads.json")
+    args = ap.parse_args()
+
+    base = yaml.safe_load((ROOT / args.base_recipe).read_text())
+    data_overrides = flatten("data", base["data"]) + flatten("target", base.get("target") or {})
+    trained = {}
+    for family in args.families:
+        trained[family] = ({"head_dir": str(Path(args.out_dir) / family / "head")} if args.skip_train
+                           else train(family, args, data_overrides))
+
+    from draftkit.heads import load_head
+    from draftkit.inference.evaluate import evaluate, read_prompt_file
+    from draftkit.target import load_target
+
+    target = load_target(base.get("target", {}).get("path"), dtype=args.dtype)
+    if not DEV_PROMPTS.is_file():
+        raise SystemExit(f"needs the dev prompts at {DEV_PROMPTS} (benchmarks may read ../shared/data)")
+    prompts = read_prompt_file(DEV_PROMPTS)[:: max(1, 400 // args.limit)][: args.limit]  # every category
+    rows = []
+    for family in args.families:
+        head = load_head(trained[family]["head_dir"], target).to(target.dtype).eval()
+        rep = evaluate(target, head, prompts, k=min(args.k, head.max_draft_tokens or args.k),
+                       temperatures=args.temperatures, max_new_tokens=args.max_new_tokens, baseline=True,
+                       ngram=False)
+        row = {"family": family, "params": sum(p.numel() for p in head.parameters()),
+               "train_seconds": trained[family].get("train_seconds"),
+               "final_train_acc": trained[family].get("final", {}).get("acc"),
+               "heldout_acc": trained[family].get("final", {}).get("heldout_acc"),
+               "per_temperature": {r["temperature"]: {"tau": r.get("tau"), "speedup": r.get("speedup"),
+                                                      "acceptance_per_position": r.get("acceptance_per_position")}
+                                   for r in rep["runs"]},
+               "tau": rep["tau"],
+               "acceptance_per_position": rep["acceptance_per_position"], "speedup": rep.get("speedup"),
+               "greedy_mismatches": rep.get("greedy_mismatches")}
+        rows.append(row)
+        print(json.dumps(row, default=str))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    out.write_text(json.dumps({"settings": meta, "rows": rows}, indent=2, default=str))
+    md = ["| head | params | train s | held-out acc | τ (T=0) | α_1..α_k (T=0) | speedup (T=0) |",
+          "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        alphas = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        ts = f"{r['train_seconds']:.0f}" if r["train_seconds"] else "-"
+        acc = f"{r['heldout_acc']:.3f}" if r["heldout_acc"] is not None else "-"
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        md.append(f"| {r['family']} | {r['params'] / 1e6:.1f}M | {ts} | {acc} | {r['tau']:.2f} | {alphas} | {sp} |")
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
