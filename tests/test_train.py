@@ -59,7 +59,7 @@ def recipe_args(model_dir: Path, prompts: Path, out: Path, cache: Path, *extra: 
             f"data.cache_dir={cache}", f"output_dir={out}", "data.holdout=2", "data.max_length=64",
             "data.responses.max_new_tokens=12", "data.responses.batch_size=8", "train.micro_batch_size=2",
             "train.log_every=2", "train.warmup_steps=2", "train.lr=0.003", "logging.wandb_project=null",
-            "head.type=eagle", *extra]
+            "head.type=eagle", "head.draft_vocab_size=64", *extra]  # quick.yaml's 8192 > this vocab (384)
 
 
 def launch(cmd: list[str], timeout: int = 300, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -252,3 +252,35 @@ def test_embedded_target_trains_and_export_reloads(tmp_path):
     assert cfg["target"]["name"] == "SmolLM2-135M-Instruct" and cfg["target"]["fingerprint"] == target.fingerprint
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [entry["step"] for entry in log] == [1, 2] and all(0 <= e["acc"] <= 1 for e in log)
+
+
+def test_head_load_bad_input_is_named(tmp_path):
+    from draftkit.heads import HeadError, build_head, load_head
+
+    target = make_tiny_target()
+    head = build_head({"type": "eagle"}, target)
+    head.save_pretrained(tmp_path / "head")
+    data = (tmp_path / "head" / "model.safetensors").read_bytes()
+    (tmp_path / "head" / "model.safetensors").write_bytes(data[: len(data) // 2])  # a torn write
+    with pytest.raises(HeadError, match=r"model.safetensors: cannot read safetensors"):
+        load_head(tmp_path / "head", target)
+    head.save_pretrained(tmp_path / "head")  # replaces the broken copy atomically
+    other = make_tiny_target(hidden=48, heads=4, kv_heads=2)
+    with pytest.raises(HeadError, match=r"hidden_size=32 does not fit target .*hidden_size=48"):
+        load_head(tmp_path / "head", other)
+    with pytest.raises(HeadError, match="trained against target fingerprint"):
+        load_head(tmp_path / "head", make_tiny_target(seed=9))
+    with pytest.raises(HeadError, match="holds a 'eagle' head, not 'medusa'"):
+        load_head(tmp_path / "head", target, expected_family="medusa")
+    assert not list(tmp_path.glob(".head*"))  # no temp directories left behind
+
+
+@pytest.mark.integration
+def test_torchrun_two_processes(tiny_model_dir, prompt_file, tmp_path):
+    args = recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache", "train.max_steps=2",
+                       "deepspeed={zero_optimization: {stage: 1}}")
+    res = launch([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29533",
+                  "draftkit/train/run.py", "recipes/quick.yaml", *args], timeout=400)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert (tmp_path / "run" / "head" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text() == "step2"
