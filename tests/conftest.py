@@ -27,3 +27,15 @@ def make_tiny_target(vocab: int = 96, hidden: int = 32, layers: int = 4, heads: 
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and OpenMP spinning on a busy 2-core box costs 10x.
+
+    A module asks for it with `pytestmark = pytest.mark.usefixtures("one_thread")`.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

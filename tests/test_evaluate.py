@@ -6,6 +6,8 @@ is marked `integration`.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,13 +24,7 @@ KEYS = ("tau", "acceptance_per_position", "tokens_per_s", "baseline_tokens_per_s
         "greedy_mismatches", "num_prompts", "k", "temperature", "per_category")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and OpenMP spinning on a busy 2-core box costs 10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chat_target(seed=0):
@@ -105,6 +101,18 @@ def test_prompt_files():
     assert oa[0].messages[-1]["content"] == "Write a short poem about the sea." and oa[0].messages[0]["role"] == "system"
     with pytest.raises(SpecError, match="no usable prompts.*question"):
         read_prompt_file(d / "unknown.jsonl")
+
+
+def test_eval_imports_without_the_trainer_stack():
+    """`draftkit eval` runs on the core dependencies: no datasets, deepspeed or wandb, even for the
+    Magpie synthesis it borrows from draftkit.distill. A module set to None in sys.modules is one
+    that is not installed: importing it raises ImportError, importlib.util.find_spec gives None."""
+    code = ("import sys\n"
+            "sys.modules.update(dict.fromkeys(['datasets', 'deepspeed', 'wandb']))\n"
+            "import draftkit.inference, draftkit.inference.evaluate, draftkit.prompts, draftkit.distill.synthesize\n"
+            "try:\n    import datasets\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('datasets not blocked')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_bad_input(target, tmp_path):

@@ -26,13 +26,7 @@ V = 96
 LENGTHS = (5, 11, 8, 14)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and OpenMP spinning on a busy 2-core box costs 10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def varied_target(dtype=torch.float32, seed=0):

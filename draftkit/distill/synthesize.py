@@ -112,7 +112,7 @@ def _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature, to
             elif len(prompts) < n:
                 seen.add(norm)
                 digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-                prompts.append(Prompt([{"role": "user", "content": text}], "synthetic", f"magpie:{digest}"))
+                prompts.append(Prompt([{"role": "user", "content": text}], "synthesized", f"magpie:{digest}"))
                 bar.update(1)
     bar.close()
     counts["kept"] = len(prompts)

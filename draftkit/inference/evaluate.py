@@ -12,9 +12,9 @@ The trainer calls `evaluate(target, head, prompts, baseline=False, ngram=False)`
 prompts every N steps: it returns tau and acceptance_per_position cheaply.
 
 Prompt files are read here without `datasets` (eval must run on the core dependencies): JSON or
-JSONL records in the shapes the training data loader reads — ShareGPT `conversations`, OpenAI
-`messages`, MT-bench `turns` (first turn), `prompt`, Alpaca `instruction` (+ `input`) — keeping
-`category` when present.
+JSONL records in the shapes the training data loader reads (ShareGPT, OpenAI, MT-bench, `prompt`,
+Alpaca; see draftkit/prompts.py, which both use), keeping `category` when present. Without prompt
+files the target writes its own (Magpie, the trainer's draftkit/distill/synthesize.py).
 """
 from __future__ import annotations
 
@@ -33,14 +33,10 @@ from draftkit.inference.decoder import (SpecDecoder, SpecError, SpecStats, Plain
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams
+from draftkit.prompts import no_prompts_message, record_id, record_messages
 
 log = logging.getLogger(__name__)
 
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "chatgpt": "assistant", "bard": "assistant", "model": "assistant", "bing": "assistant",
-          "system": "system"}
-_ID_KEYS = ("id", "question_id", "conversation_id", "prompt_id")
-_SHAPES = "conversations (ShareGPT), messages (OpenAI), turns (MT-bench), prompt, instruction (Alpaca)"
 UNCATEGORIZED = "all"
 
 
@@ -58,7 +54,7 @@ class EvalPrompt:
 
 
 def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
-    """Dependency-free reader for .json / .jsonl prompt files (the shapes of distill/sources.py)."""
+    """Dependency-free reader for .json / .jsonl prompt files (the shapes of draftkit/prompts.py)."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"--prompts: no such file: {path}")
@@ -82,37 +78,10 @@ def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
         if messages is None:
             unknown.update(r.keys())
             continue
-        rid = next((r[k] for k in _ID_KEYS if r.get(k) is not None), i)
-        prompts.append(EvalPrompt(messages, r.get("category") or None, f"{path.stem}:{rid}"))
+        prompts.append(EvalPrompt(messages, r.get("category") or None, f"{path.stem}:{record_id(r, i)}"))
     if not prompts:
-        raise SpecError(f"{path}: no usable prompts; keys found: {sorted(unknown)}; expected one of {_SHAPES}")
+        raise SpecError(no_prompts_message(path, unknown))
     return prompts
-
-
-def record_messages(r: dict) -> list[dict] | None:
-    """One record -> messages up to the last non-empty user turn, or None if unusable."""
-    if "conversations" in r:
-        msgs = [{"role": _ROLES.get(str(t.get("from")).lower()), "content": t.get("value")}
-                for t in r["conversations"] or []]
-    elif "messages" in r:
-        msgs = [{"role": _ROLES.get(str(t.get("role")).lower()), "content": t.get("content")}
-                for t in r["messages"] or []]
-    elif "turns" in r:
-        msgs = [{"role": "user", "content": (r["turns"] or [None])[0]}]
-    elif "prompt" in r:
-        msgs = [{"role": "user", "content": r["prompt"]}]
-    elif "instruction" in r:
-        extra = r.get("input") or ((r.get("instances") or [{}])[0].get("input"))
-        text = r["instruction"]
-        msgs = [{"role": "user", "content": f"{text}\n\n{extra}" if text and extra and extra.strip() else text}]
-    else:
-        return None
-    if any(m["role"] is None or not isinstance(m["content"], str) for m in msgs):
-        return None
-    last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
-    if last_user is None or not msgs[last_user]["content"].strip():
-        return None
-    return msgs[: last_user + 1]
 
 
 def as_prompts(prompts) -> list[EvalPrompt]:
@@ -149,24 +118,18 @@ def encode(tokenizer, prompt: EvalPrompt) -> list[int]:
     return tokenizer.encode("\n\n".join(m["content"] for m in prompt.messages))
 
 
-def synthesize_prompts(target, n: int, seed: int = 0, max_tokens: int = 64) -> list[EvalPrompt]:
-    """Magpie-style: the target writes user turns itself from its template's user header."""
-    tok = target.tokenizer
-    marker = "XXXX_USER_XXXX"
-    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    prefix = tok.encode(text[: text.index(marker)], add_special_tokens=False)
-    stops = stop_token_ids(target)
-    outs, _, _ = plain_generate(target, [prefix] * (2 * n), max_tokens, SamplingParams(1.0, top_p=0.95),
-                                seeds=[seed + i for i in range(2 * n)], stop_ids=stops)
-    prompts, seen = [], set()
-    for o in outs:
-        if not o or o[-1] not in stops:  # ran out of tokens: an unfinished request
-            continue
-        s = tok.decode(o[:-1], skip_special_tokens=True).strip()
-        if len(s) >= 10 and s not in seen:
-            seen.add(s)
-            prompts.append(EvalPrompt([{"role": "user", "content": s}], "synthesized", f"magpie:{len(prompts)}"))
-    return prompts[:n]
+def synthesize_prompts(target, n: int, seed: int = 0, max_tokens: int = 64,
+                       progress: bool = False) -> list[EvalPrompt]:
+    """Magpie: the target writes up to `n` user turns itself, with the trainer's synthesis (its
+    length filters and dedupe), sampling at most 2n turns of at most `max_tokens` tokens.
+
+    draftkit.distill is imported here, not at the top: it imports with the core dependencies
+    (`datasets` only once a dataset is read), but eval with --prompts has no use for it.
+    """
+    from draftkit.distill.synthesize import synthesize_prompts as magpie
+
+    return as_prompts(magpie(target.model, target.tokenizer, n, batch_size=max(n, 1), max_new_tokens=max_tokens,
+                             seed=seed, max_attempts=2 * n, progress=progress))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,7 +396,7 @@ def run(args) -> int:
             head.to(dtype=target.dtype).eval()
         if not args.prompts:
             print(f"no --prompts: synthesizing {args.num_synthesized} prompts with the target", file=sys.stderr)
-            prompts = synthesize_prompts(target, args.num_synthesized, args.seed)
+            prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
             if not prompts:
                 raise SpecError("the target synthesized no usable prompts; pass --prompts FILE")
         if args.limit is not None:

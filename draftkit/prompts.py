@@ -1,0 +1,93 @@
+"""Prompt records -> chat messages: the record shapes every prompt file or dataset may take.
+
+Dependency-free on purpose: the trainer's loader (distill/sources.py, through `datasets`) and
+`draftkit eval`'s file reader (inference/evaluate.py, core dependencies only) both use it.
+
+| shape      | keys                                      | what becomes the prompt                       |
+| ---------- | ----------------------------------------- | --------------------------------------------- |
+| ShareGPT   | `conversations[{from, value}]`            | turns up to the last user turn (see below)    |
+| OpenAI     | `messages[{role, content}]`               | turns up to the last user turn (see below)    |
+| MT-bench   | `turns[str]` (+ `category`)               | the first turn only                           |
+| plain      | `prompt`                                  | the prompt                                    |
+| Alpaca     | `instruction` (+ `input`, or `instances`) | instruction, a blank line, then the input     |
+
+Multi-turn conversations keep their earlier turns, the dataset's own assistant replies included, as
+context: only the reply to the last user turn is answered by the target (the earlier replies are
+masked out of the training loss in distill/samples.py). MT-bench style `turns` hold user turns
+only, with no replies to put between them, so only the first is used.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "model": "assistant", "bing": "assistant",
+    "system": "system",
+}
+# Keys a record's own id may sit under, first found wins (else the record's index is used).
+ID_KEYS = ("id", "question_id", "conversation_id", "prompt_id")
+# The key that marks each shape, in the order they are tried.
+SHAPES = ("conversations", "messages", "turns", "prompt", "instruction")
+_SHAPE_NAMES = "conversations (ShareGPT), messages (OpenAI), turns (MT-bench), prompt, instruction (Alpaca)"
+
+
+def detect_shape(keys: Collection[str], path: str) -> str:
+    """The shape of records with these keys (a dataset's columns); ValueError naming path and keys."""
+    shape = find_shape(keys)
+    if shape is None:
+        raise ValueError(no_prompts_message(path, keys))
+    return shape
+
+
+def find_shape(keys: Collection[str]) -> str | None:
+    """The first of SHAPES among `keys` (a record's keys or a dataset's columns), or None."""
+    return next((s for s in SHAPES if s in keys), None)
+
+
+def no_prompts_message(path, keys: Collection[str]) -> str:
+    return f"{path}: no usable prompts; keys found: {sorted(keys)}; expected one of {_SHAPE_NAMES}"
+
+
+def record_messages(r: dict) -> list[dict] | None:
+    """One record of any shape -> `to_messages`, or None when no shape's key is present."""
+    shape = find_shape(r)
+    return None if shape is None else to_messages(shape, r)
+
+
+def to_messages(shape: str, r: dict) -> list[dict] | None:
+    """One record -> chat messages ending with a non-empty user turn, or None to drop it."""
+    if shape == "conversations":
+        msgs = [{"role": ROLES.get(str(t.get("from")).lower()), "content": t.get("value")}
+                for t in r["conversations"] or []]
+    elif shape == "messages":
+        msgs = [{"role": ROLES.get(str(t.get("role")).lower()), "content": t.get("content")}
+                for t in r["messages"] or []]
+    elif shape == "turns":
+        msgs = [{"role": "user", "content": (r["turns"] or [None])[0]}]
+    elif shape == "prompt":
+        msgs = [{"role": "user", "content": r["prompt"]}]
+    else:
+        msgs = [{"role": "user", "content": _alpaca_text(r)}]
+    if any(m["role"] is None or not isinstance(m["content"], str) for m in msgs):
+        return None
+    last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+    if last_user is None or not msgs[last_user]["content"].strip():
+        return None
+    return msgs[: last_user + 1]
+
+
+def record_id(r: dict, index: int):
+    """The record's own id (first of ID_KEYS present), else its index."""
+    return next((r[k] for k in ID_KEYS if r.get(k) is not None), index)
+
+
+def _alpaca_text(r: dict) -> str | None:
+    instruction = r.get("instruction")
+    extra = r.get("input")
+    if extra is None and r.get("instances"):  # stanford_alpaca seed_tasks: instances[0].input
+        extra = r["instances"][0].get("input")
+    if not instruction:
+        return None
+    return f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
