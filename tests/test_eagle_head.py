@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from draftkit.heads import build_head, load_head
+from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.eagle import EagleHead
 from draftkit.target import FINAL
 from tests.conftest import make_tiny_target
@@ -100,3 +101,136 @@ def test_target_fingerprint_is_the_same_in_fp32_and_bf16():
     b = make_tiny_target(seed=5, dtype=torch.bfloat16)
     assert a.fingerprint == b.fingerprint
     assert make_tiny_target(seed=6).fingerprint != a.fingerprint
+
+
+# ---- draft vocabulary (head.draft_vocab_size) ----
+
+def vocab_head(target, n=40, **kw):
+    head = build_head({"type": "eagle", "draft_vocab_size": n, **kw}, target)
+    ids, _, _ = batch(target, B=8, T=16, seed=7)
+    head.set_draft_vocab(tokens=ids)
+    return head
+
+
+def test_eagle_draft_vocab_loss_decreases_and_save_load_roundtrip(tiny_target, tmp_path):
+    head = vocab_head(tiny_target)
+    assert head.d2t.shape == (40,) and int(head.t2d.sum()) == 40
+    ids, attn, lm = batch(tiny_target)
+    feats = tiny_target.features(ids, attn, head.feature_layers, lm)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        out = head.loss(feats)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        losses.append(out["loss"].item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert not any(k.startswith("_") or "vocab_w" in k for k in head.state_dict())  # the cached rows are not saved
+    head.save_pretrained(tmp_path / "head")
+    again = load_head(tmp_path / "head", tiny_target)
+    assert list(head.state_dict()) == list(again.state_dict())
+    for (n1, a), (n2, b) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b)
+    assert torch.equal(again.d2t, head.d2t) and torch.equal(again.t2d, head.t2d) and again.t2d.dtype == torch.bool
+    torch.testing.assert_close(again.loss(feats)["loss"], head.loss(feats)["loss"], rtol=0, atol=0)
+
+
+def test_eagle_draft_vocab_kl_is_restricted_and_acc_uses_the_full_vocab(tiny_target):
+    head = vocab_head(tiny_target)
+    g = torch.Generator().manual_seed(0)
+    pred, final = torch.randn(20, 32, generator=g), torch.randn(20, 32, generator=g)
+    out = head.distill_loss(pred, torch.zeros(20, 32), final)
+    tgt = tiny_target.logits(final).float()
+    p = tgt[:, head.draft_ids].log_softmax(-1)
+    q = tiny_target.logits(pred).float()[:, head.draft_ids].log_softmax(-1)
+    inside = head.t2d[tgt.argmax(-1)]
+    kl = (p.exp() * (p - q)).sum(-1)[inside].mean()
+    torch.testing.assert_close(out["kl"], kl)
+    acc = (head.draft_ids[q.argmax(-1)] == tgt.argmax(-1)).float().mean()
+    torch.testing.assert_close(out["acc"], acc, rtol=0, atol=0)
+
+
+def test_eagle_draft_vocab_drafts_match_training_forward(tiny_target):
+    """Drafted token == argmax over the draft vocab of the full-sequence forward, mapped to target ids."""
+    head = vocab_head(tiny_target, num_layers=2)
+    ids, _, _ = batch(tiny_target, B=2, T=10)
+    f = tiny_target.features(ids, None, head.feature_layers).hidden
+    T = ids.shape[1] - 1
+    full = head(f[:, :-1], ids[:, 1:], torch.arange(T).expand(2, -1), torch.ones(2, 1, T, T, dtype=torch.bool).tril())
+    seen = []
+
+    def sample(logits):
+        seen.append(logits)
+        return logits.argmax(-1), None
+
+    state = head.new_draft_state(2)
+    tok, _ = head.draft(state, f[:, :6], ids[:, 1:7], torch.ones(2, 6, dtype=torch.bool), 1, sample)
+    assert torch.equal(tok[:, 0], head.draft_ids[head.draft_logits(full[:, 5]).argmax(-1)])
+    tok, _ = head.draft(state, f[:, 6:9], ids[:, 7:10], torch.ones(2, 3, dtype=torch.bool), 3, sample)
+    assert torch.equal(tok[:, 0], head.draft_ids[head.draft_logits(full[:, 8]).argmax(-1)])
+    assert all(torch.isinf(s[:, ~head.t2d]).all() and torch.isfinite(s[:, head.t2d]).all() for s in seen)
+
+
+def test_eagle_draft_vocab_drafts_stay_inside(tiny_target):
+    head = vocab_head(tiny_target, n=12)
+    ids, _, _ = batch(tiny_target, B=3, T=10, seed=4)
+    f = tiny_target.features(ids, None, head.feature_layers).hidden
+    gen = torch.Generator().manual_seed(0)
+
+    def sample(logits):
+        p = logits.softmax(-1)
+        return torch.multinomial(p, 1, generator=gen)[:, 0], p
+
+    tok, probs = head.draft(head.new_draft_state(3), f[:, :8], ids[:, 1:9], torch.ones(3, 8, dtype=torch.bool), 5, sample)
+    assert tok.shape == (3, 5) and head.t2d[tok].all()
+    assert (probs[:, :, ~head.t2d] == 0).all()
+
+
+def test_eagle_draft_vocab_cache_follows_vocab_and_dtype(tiny_target):
+    head = vocab_head(tiny_target)
+    h = torch.randn(3, 32)
+    first = head.draft_logits(h)
+    torch.testing.assert_close(first, tiny_target.logits(h).float()[:, head.draft_ids], rtol=0, atol=0)
+    head.set_draft_vocab(counts=torch.arange(tiny_target.vocab_size))  # the 40 highest ids now
+    assert head.draft_ids.tolist() == list(range(56, 96))
+    torch.testing.assert_close(head.draft_logits(h), tiny_target.logits(h).float()[:, 56:], rtol=0, atol=0)
+    bf = make_tiny_target(dtype=torch.bfloat16)
+    head.attach(bf)
+    assert head.draft_logits(h).shape == (3, 40) and head._vocab_w[1].dtype == torch.bfloat16
+
+
+def test_eagle_draft_vocab_bad_size_and_default_unchanged(tiny_target):
+    with pytest.raises(HeadError, match="head.draft_vocab_size: 200"):
+        build_head({"type": "eagle", "draft_vocab_size": 200}, tiny_target)
+    # None: no buffers, set_draft_vocab is a no-op, loss and drafts over the full vocabulary as before
+    plain = build_head({"type": "eagle"}, tiny_target)
+    keys = list(plain.state_dict())
+    plain.set_draft_vocab(tokens=[[5, 6, 7]])
+    assert list(plain.state_dict()) == keys and not any(k in ("d2t", "t2d") for k in keys)
+    g = torch.Generator().manual_seed(0)
+    pred, feat, final = (torch.randn(20, 32, generator=g) for _ in range(3))
+    out = plain.distill_loss(pred, feat, final)
+    p, q = tiny_target.logits(final).float().log_softmax(-1), tiny_target.logits(pred).float().log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1).sum() / 20
+    f = torch.nn.functional.smooth_l1_loss(pred, feat, reduction="none").mean(-1).sum() / 20
+    torch.testing.assert_close(out["kl"], kl, rtol=0, atol=0)
+    torch.testing.assert_close(out["loss"], f + 0.1 * kl, rtol=0, atol=0)
+
+
+def test_eagle_draft_vocab_greedy_loop_is_lossless(tiny_target):
+    dec = pytest.importorskip("draftkit.inference.decoder")
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
+    ref, _, _ = dec.plain_generate(tiny_target, prompts, max_new_tokens=16)
+    head = build_head({"type": "eagle", "draft_vocab_size": 48}, tiny_target)
+    seqs = torch.tensor([(p + r)[:10] for p, r in zip(prompts, ref)])
+    head.set_draft_vocab(tokens=seqs)
+    feats = tiny_target.features(seqs, None, head.feature_layers)
+    opt = torch.optim.AdamW(head.parameters(), lr=2e-2)
+    for _ in range(20):  # enough to get drafts accepted, so roll-back paths run
+        opt.zero_grad()
+        head.loss(feats)["loss"].backward()
+        opt.step()
+    out, stats = dec.SpecDecoder(tiny_target, head, k=3).generate(prompts, max_new_tokens=16)
+    assert out == ref
+    assert stats.tau > 1.2

@@ -17,13 +17,14 @@ from tests.conftest import make_tiny_target
 FAMILY_SETTINGS = {
     "eagle": {"type": "eagle", "num_layers": 2, "fc_bias": True},  # the EAGLE-1 reference's fc
     "eagle_nobias": {"type": "eagle"},  # draftkit's default: vLLM's llama_eagle fc has no bias
+    "eagle_vocab": {"type": "eagle", "draft_vocab_size": 40},  # EAGLE-1 with a draft vocabulary (d2t / t2d)
     "eagle3": {"type": "eagle3", "draft_vocab_size": 64, "feature_layers": [1, 2, 3]},
     "medusa": {"type": "medusa", "num_heads": 3},
     "medusa_shared": {"type": "medusa", "num_heads": 3, "share_lm_head": True},
     "mtp": {"type": "mtp"},
 }
 ROUND_TRIPS = [
-    ("eagle", "draftkit"), ("eagle", "sglang"), ("eagle_nobias", "vllm"), ("eagle_nobias", "sglang"),
+    ("eagle", "draftkit"), ("eagle_vocab", "draftkit"), ("eagle", "sglang"), ("eagle_nobias", "vllm"), ("eagle_nobias", "sglang"),
     ("eagle3", "draftkit"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "speculators"),
     ("medusa", "draftkit"), ("medusa", "vllm"), ("medusa_shared", "vllm"), ("mtp", "draftkit"),
 ]
@@ -115,6 +116,34 @@ def test_refusals_name_what_is_missing(target, tmp_path):
     with pytest.raises(ExportError, match="--target"):  # vLLM needs the shared lm_head stored
         export_head(shared, "vllm", tmp_path / "o5")
     assert not any(p.name.startswith(".o") for p in tmp_path.iterdir())  # no temp dirs left behind
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_eagle_draft_vocab_is_refused_or_dropped_explicitly(fmt, target, tmp_path, capsys):
+    """vLLM's and SGLang's llama_eagle draft over the full vocabulary: d2t is never lost silently."""
+    from draftkit.cli import main
+
+    src = make_head("eagle_vocab", target, tmp_path / "head")
+    with pytest.raises(ExportError, match=r"d2t.*--full-vocab"):
+        export_head(src, fmt, tmp_path / "o1")
+    assert main(["export", str(src), "--format", fmt, "--out", str(tmp_path / "o2")]) == 1
+    assert "d2t" in capsys.readouterr().err and not (tmp_path / "o2").exists()
+    assert main(["export", str(src), "--format", fmt, "--out", str(tmp_path / "out"), "--full-vocab"]) == 0
+    out = tmp_path / "out"
+    contract = json.loads((out / "config.json").read_text())["draftkit_contract"]
+    assert contract["draft_vocab"].startswith("dropped: engine drafts over the full target vocabulary")
+    assert contract["head"]["draft_vocab_size"] is None and contract["d2t_convention"].startswith("none")
+    assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors"))
+    report = inspect_dir(out, target=target)
+    assert report["problems"] == [] and any("dropped" in line for line in report["lines"])
+    # Import gives back what the engine runs: the same weights drafting over the full vocabulary.
+    back = load_head(import_head(out, fmt, tmp_path / "back", target=target), target)
+    a = load_head(src, target)
+    full = build_head({"type": "eagle"}, target)
+    full.load_state_dict({k: v for k, v in a.state_dict().items() if k not in ("d2t", "t2d")})
+    assert back.config.draft_vocab_size is None
+    for x, y in zip(draft_logits(full, target), draft_logits(back, target), strict=True):
+        assert torch.equal(x, y)
 
 
 def test_bad_input(target, tmp_path):

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast the weights (default: keep the head's dtype)")
+    parser.add_argument("--full-vocab", action="store_true",
+                        help="a head with a draft vocabulary (d2t) for an engine without one (vLLM/SGLang "
+                             "EAGLE-1): export it drafting over the full target vocabulary instead of refusing")
     add_target_argument(parser, "check the head against this target first; needed when the engine "
                                 "must store a tensor the head shares with the target")
 
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = export_head(args.head_dir, args.format, args.out, target=load_target_arg(args.target),
-                          overwrite=args.overwrite, dtype=args.dtype)
+                          overwrite=args.overwrite, dtype=args.dtype, full_vocab=args.full_vocab)
     except (ExportError, HeadError, TargetError) as e:
         print(f"draftkit export: error: {e}", file=sys.stderr)
         return 1

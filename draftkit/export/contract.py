@@ -51,7 +51,7 @@ def make_contract(native: dict, tensors: dict, fmt: str, layout) -> dict[str, An
 
 
 def native_d2t_convention(native: dict) -> str:
-    if native["family"] != "eagle3":
+    if native["family"] != "eagle3" and not native.get("draft_vocab_size"):
         return "none: the head drafts over the full target vocabulary"
     return "offset: target_id = draft_id + d2t[draft_id] (EAGLE-3 reference)"
 
@@ -104,6 +104,7 @@ def describe(contract: dict) -> list[str]:
         f"  as the engine reads them: {contract.get('engine_feature_layers')} "
         f"({contract.get('engine_feature_layer_convention')})",
         f"d2t: {contract.get('d2t_convention')}",
+        *([f"draft vocabulary: {contract['draft_vocab']}"] if contract.get("draft_vocab") else []),
         f"recipe hash: {contract.get('recipe_hash')}",
     ]
 

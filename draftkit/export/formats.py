@@ -356,9 +356,32 @@ def native_out(cfg: dict, tensors: dict[str, Tensor]) -> dict:
 
 # ---- export and import ---------------------------------------------------------------------------
 
+DRAFT_VOCAB_DROPPED = "dropped: engine drafts over the full target vocabulary"
+
+
+def drop_draft_vocab(native: dict, state: dict[str, Tensor], layout: Layout, full_vocab: bool,
+                     where: str) -> tuple[dict, dict[str, Tensor], str]:
+    """A head with a draft vocabulary (d2t / t2d) for a layout that has no place for one: refused,
+    or with full_vocab the head is exported as drafting over the full target vocabulary (its native
+    config says draft_vocab_size None, so an import gives back the head the engine runs); the note
+    for the contract comes third."""
+    n = native.get("draft_vocab_size")
+    if not full_vocab:
+        raise ExportError(f"{where}: the head drafts over a reduced vocabulary (draft_vocab_size={n}, tensors "
+                          f"d2t / t2d) but {layout.source} has no draft-vocabulary support: the engine would "
+                          "draft over the full target vocabulary with the target's lm_head, and d2t would be "
+                          "lost. Pass --full-vocab (full_vocab=True) to export it that way, or keep "
+                          "--format draftkit")
+    state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+    return {**native, "draft_vocab_size": None}, state, f"{DRAFT_VOCAB_DROPPED} (trained with draft_vocab_size={n})"
+
+
 def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None, overwrite: bool = False,
-                dtype: str | None = None) -> Path:
-    """Convert a native head directory into `fmt` at `out`, checked against the engine's layout."""
+                dtype: str | None = None, full_vocab: bool = False) -> Path:
+    """Convert a native head directory into `fmt` at `out`, checked against the engine's layout.
+
+    full_vocab: for a head with a draft vocabulary (d2t) and an engine layout without one, export
+    it drafting over the full target vocabulary (recorded in the contract) instead of refusing."""
     from draftkit.export.contract import make_contract
 
     native, state = read_native(Path(head_dir))
@@ -383,11 +406,17 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
         return write_dir(Path(out), {**native_out(native, state), CONTRACT_KEY: contract}, state, overwrite,
                          metadata={"draftkit_family": family})
     ctx = Context(native=native, target=target)
+    dropped = None
+    if "d2t" in state and not _matches("d2t", ctx.table(layout), reverse=False):
+        native, state, dropped = drop_draft_vocab(native, state, layout, full_vocab, where)
+        ctx.native = native
     tensors = rename(layout.tensors_out(dict(state), ctx), ctx.table(layout), reverse=False, where=where)
     config = layout.config_out(native, ctx)
     config.setdefault("torch_dtype", dtype_name(tensors))
     check_tensors(tensors, layout.expected(config), where)
     contract = make_contract(native, tensors, fmt, layout)
+    if dropped:
+        contract["draft_vocab"] = dropped
     if layout.sidecar:
         return write_dir(Path(out), config, tensors, overwrite, sidecar=contract, weights_file=layout.weights_file)
     return write_dir(Path(out), {**config, CONTRACT_KEY: contract}, tensors, overwrite,

@@ -7,6 +7,10 @@ EAGLE reference takes `hidden_states[-1]`) and the embedding of the next token x
     p̂   = softmax(lm_head(f̂))                            predicts x_{t+2}
 Loss = w_feat * SmoothL1(f̂, f_{t+1}) + w_tok * KL(p_target(x_{t+2}) || p̂).
 Drafting feeds f̂ back in place of f for the next step.
+
+Optional draft vocabulary (draft_vocab_size = N): p̂ and the target's p are taken over the N most
+frequent response tokens only (lm_head rows gathered once, p renormalised over them; positions whose
+target top-1 lies outside are left out of the KL), and drafts scatter N logits into -inf over V.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from torch import Tensor, nn
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
 from draftkit.heads.layers import (ChainState, DecoderLayer, LayerKV, cached_mask, causal_mask,  # noqa: F401
                                    last_valid, masked_mean)
+from draftkit.heads.vocab import DraftVocab, check_draft_vocab_size, restricted_kl
 from draftkit.target import FINAL
 
 
@@ -35,9 +40,17 @@ class EagleConfig(HeadConfig):
     fc_bias: bool = False
     # Target layers the head reads: the final norm output (see draftkit.target for the convention).
     feature_layers: list[int] = field(default_factory=lambda: [FINAL])
+    # Draft over the N most frequent response tokens (picked by the trainer, as EAGLE-3's d2t/t2d)
+    # instead of the whole target vocabulary. On a small target the frozen lm_head dominates the
+    # cost: on SmolLM2-135M (V 49152, H 576) the head's and the target's logits and the backward
+    # through lm_head are ~90% of a training step, and a full-vocabulary draft step ~1/5 of a
+    # target step. Only the KL term and the drafted tokens change; the feature regression does not.
+    # None = the full target vocabulary. vLLM / SGLang EAGLE-1 cannot serve a draft vocabulary
+    # (draftkit export refuses, or drops it with --full-vocab).
+    draft_vocab_size: int | None = None
 
 
-class EagleHead(DraftHead):
+class EagleHead(DraftVocab, DraftHead):
     family = "eagle"
     config_class = EagleConfig
 
@@ -47,6 +60,9 @@ class EagleHead(DraftHead):
         self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
         self.layers = nn.ModuleList(
             DecoderLayer(config.layer_dims(), input_norm=i > 0) for i in range(config.num_layers))
+        if config.draft_vocab_size is not None:
+            self.init_draft_vocab(config.draft_vocab_size, config.vocab_size)  # d2t, t2d buffers
+        object.__setattr__(self, "_vocab_w", None)  # (key, (N, H) lm_head rows): a cache, never saved
 
     @classmethod
     def feature_layers_of(cls, config: EagleConfig) -> tuple[int, ...]:
@@ -59,6 +75,31 @@ class EagleHead(DraftHead):
             raise HeadError(f"head.feature_layers: EAGLE reads exactly one layer, got {config.feature_layers}")
         if config.num_layers < 1:
             raise HeadError(f"head.num_layers: must be >= 1, got {config.num_layers}")
+        if config.draft_vocab_size is not None:
+            check_draft_vocab_size(config.draft_vocab_size, target)
+
+    # ---- the draft vocabulary (d2t / t2d, to_target_logits: draftkit.heads.vocab) ----
+    @property
+    def has_draft_vocab(self) -> bool:
+        return self.config.draft_vocab_size is not None
+
+    def set_draft_vocab(self, tokens=None, *, counts=None) -> None:
+        """See DraftVocab.set_draft_vocab; a no-op without a draft vocabulary (draft_vocab_size None)."""
+        if self.has_draft_vocab:
+            super().set_draft_vocab(tokens, counts=counts)
+
+    def draft_vocab_changed(self) -> None:
+        object.__setattr__(self, "_vocab_w", None)
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """(..., H) -> (..., N) float32 logits of the frozen lm_head's draft-vocabulary rows."""
+        w = self.shared.lm_head.weight  # (V, H)
+        # The gathered rows, rebuilt when the draft vocabulary, the target, its device or dtype change.
+        key = (w.data_ptr(), w.device, w.dtype, self.d2t.data_ptr(), self.d2t._version)
+        if self._vocab_w is None or self._vocab_w[0] != key:
+            with torch.no_grad():
+                object.__setattr__(self, "_vocab_w", (key, w[self.draft_ids.to(w.device)].detach()))
+        return F.linear(hidden.to(w.dtype), self._vocab_w[1]).float()
 
     # ---- the network ----
     def forward(self, feats: Tensor, next_ids: Tensor, positions: Tensor, mask: Tensor,
@@ -89,6 +130,8 @@ class EagleHead(DraftHead):
         """Losses over the N supervised positions only: pred/target (N, H)."""
         c = self.config
         feat = F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1)  # (N,)
+        if self.has_draft_vocab:
+            return self.draft_vocab_loss(pred, feat, target_final)
         head_logp = F.log_softmax(self.target_logits(pred), dim=-1)  # (N, V)
         with torch.no_grad():
             tgt_logits = self.target_logits(target_final)
@@ -97,6 +140,22 @@ class EagleHead(DraftHead):
         acc = (head_logp.argmax(-1) == tgt_logits.argmax(-1)).float()
         n = max(pred.shape[0], 1)
         feat_l, kl_l = feat.sum() / n, kl.sum() / n
+        return {"loss": c.w_feat * feat_l + c.w_tok * kl_l, "feat_loss": feat_l.detach(),
+                "kl": kl_l.detach(), "acc": acc.sum().detach() / n,
+                "tokens": torch.tensor(float(pred.shape[0]))}
+
+    def draft_vocab_loss(self, pred: Tensor, feat: Tensor, target_final: Tensor) -> dict[str, Tensor]:
+        """distill_loss with the KL over the draft vocabulary (d2t) only: pred (N, H), feat (N,)."""
+        c = self.config
+        head_logp = F.log_softmax(self.draft_logits(pred), dim=-1)  # (N, Vd)
+        with torch.no_grad():
+            # (N, V) in full for the exact top-1 (acc, and the KL's out-of-vocabulary positions);
+            # forward only, but still about half of this loss's time at V 49k / N 8k.
+            tgt_logits = self.target_logits(target_final)
+        kl_l, top = restricted_kl(head_logp, tgt_logits, self.draft_ids, self.t2d)
+        acc = (self.draft_ids[head_logp.argmax(-1)] == top).float()  # comparable with the full vocabulary
+        n = max(pred.shape[0], 1)
+        feat_l = feat.sum() / n
         return {"loss": c.w_feat * feat_l + c.w_tok * kl_l, "feat_loss": feat_l.detach(),
                 "kl": kl_l.detach(), "acc": acc.sum().detach() / n,
                 "tokens": torch.tensor(float(pred.shape[0]))}
@@ -127,7 +186,8 @@ class EagleHead(DraftHead):
         tokens, probs = [], []
         ones = torch.ones(h.shape[0], 1, dtype=torch.bool, device=h.device)
         for i in range(k):
-            tok, prob = sample(self.target_logits(h))  # (B,), (B, V) | None
+            logits = self.to_target_logits(self.draft_logits(h)) if self.has_draft_vocab else self.target_logits(h)
+            tok, prob = sample(logits)  # (B,), (B, V) | None; -inf off the draft vocabulary
             tokens.append(tok)
             probs.append(prob)
             if i + 1 < k:

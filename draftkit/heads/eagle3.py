@@ -16,7 +16,7 @@ norm, lm_head, d2t, t2d); vLLM loads `midlayer.` as `layers.0.` and `d2t` as dra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
 from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, cached_mask,
                                    causal_mask, last_valid)
+from draftkit.heads.vocab import (DraftVocab, build_draft_vocab, check_draft_vocab_size, restricted_kl,  # noqa: F401
+                                  token_counts)
 
 
 @dataclass
@@ -57,40 +59,6 @@ class Eagle3Config(HeadConfig):
             self.draft_vocab_size = min(32000, target.vocab_size)
 
 
-def token_counts(tokens: Tensor | Iterable, vocab_size: int) -> Tensor:
-    """Counts (V,) of token ids given as a tensor, or an iterable of samples (lists / tensors)."""
-    if not isinstance(tokens, Tensor):
-        parts = [torch.as_tensor(s, dtype=torch.long).flatten() for s in tokens]
-        tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    tokens = tokens.flatten().long().cpu()
-    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise HeadError(f"draft vocabulary: token ids must lie in 0..{vocab_size - 1}, "
-                        f"got {tokens.min().item()}..{tokens.max().item()}")
-    return torch.bincount(tokens, minlength=vocab_size)
-
-
-def build_draft_vocab(size: int, vocab_size: int, *, tokens: Tensor | Iterable | None = None,
-                      counts: Tensor | Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
-    """The `size` most frequent tokens (ties: lower id first) -> (d2t (N,) long, t2d (V,) bool).
-
-    As the EAGLE-3 reference: draft id j <-> target id j + d2t[j], draft ids in ascending target
-    id order, t2d[v] = v is in the draft vocabulary. Tokens never seen fill up by id order.
-    """
-    if not 0 < size <= vocab_size:
-        raise HeadError(f"head.draft_vocab_size: {size} must be in 1..{vocab_size} (the target's vocabulary)")
-    if (tokens is None) == (counts is None):
-        raise HeadError("draft vocabulary: give exactly one of tokens= or counts=")
-    c = token_counts(tokens, vocab_size) if counts is None else torch.as_tensor(counts).flatten().cpu()
-    if c.numel() != vocab_size:
-        raise HeadError(f"draft vocabulary: counts has {c.numel()} entries, the target vocabulary {vocab_size}")
-    order = torch.sort(c.double(), descending=True, stable=True).indices  # most frequent, low id first
-    used = order[:size].sort().values  # (N,) target ids, ascending
-    d2t = used - torch.arange(size)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[used] = True
-    return d2t, t2d
-
-
 class Eagle3Layer(DecoderLayer):
     """The one decoder layer: embedding and hidden normalised apart, concatenated for q/k/v (2H)."""
 
@@ -106,7 +74,7 @@ class Eagle3Layer(DecoderLayer):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Head(DraftHead):
+class Eagle3Head(DraftVocab, DraftHead):
     family = "eagle3"
     config_class = Eagle3Config
 
@@ -118,11 +86,7 @@ class Eagle3Head(DraftHead):
         self.midlayer = Eagle3Layer(config.layer_dims(input_size=2 * H))
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False)
-        # Until set_draft_vocab: the first N token ids (the identity when N = V).
-        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[:N] = True
-        self.register_buffer("t2d", t2d)
+        self.init_draft_vocab(N, V)  # d2t, t2d (draftkit.heads.vocab)
         if shared is not None:
             self._init_lm_head()
 
@@ -136,28 +100,13 @@ class Eagle3Head(DraftHead):
             raise HeadError("head.feature_layers: EAGLE-3 fuses exactly three target layers, "
                             f"got {config.feature_layers}")
         super().validate(config, target)
-        if not 0 < config.draft_vocab_size <= target.vocab_size:
-            raise HeadError(f"head.draft_vocab_size: {config.draft_vocab_size} must be in 1..{target.vocab_size} "
-                            f"(the vocabulary of target {target.name})")
+        check_draft_vocab_size(config.draft_vocab_size, target)
         if config.ttt_steps < 1:
             raise HeadError(f"head.ttt_steps: must be >= 1, got {config.ttt_steps}")
 
-    # ---- the draft vocabulary ----
-    @property
-    def draft_ids(self) -> Tensor:
-        """(N,) the target id of every draft id."""
-        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
-
-    def set_draft_vocab(self, tokens: Tensor | Iterable | None = None, *, counts: Tensor | None = None) -> None:
-        """Pick the draft vocabulary from the training responses; call once BEFORE training.
-
-        tokens: the (loss-masked) response token ids, as one tensor or an iterable of samples;
-        counts: (V,) token frequencies instead. Writes the d2t / t2d buffers (saved with the
-        head) and, with lm_head_init="target", restarts lm_head from the target's rows.
-        """
-        d2t, t2d = build_draft_vocab(self.d2t.shape[0], self.t2d.shape[0], tokens=tokens, counts=counts)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+    # ---- the draft vocabulary (d2t / t2d, set_draft_vocab, to_target_logits: draftkit.heads.vocab) ----
+    def draft_vocab_changed(self) -> None:
+        """With lm_head_init="target", restart lm_head from the target's rows of the new draft tokens."""
         if self._shared is not None:
             self._init_lm_head()
 
@@ -166,11 +115,6 @@ class Eagle3Head(DraftHead):
         if self.config.lm_head_init == "target":
             w = self.shared.lm_head.weight
             self.lm_head.weight.copy_(w[self.draft_ids.to(w.device)].to(self.lm_head.weight))
-
-    def to_target_logits(self, logits: Tensor) -> Tensor:
-        """(..., N) draft logits -> (..., V) target logits, -inf off the draft vocabulary."""
-        out = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))
-        return out.index_copy_(-1, self.draft_ids, logits)
 
     # ---- the network ----
     def forward(self, hidden: Tensor, ids: Tensor, positions: Tensor, mask: Tensor,
@@ -231,12 +175,8 @@ class Eagle3Head(DraftHead):
         draft_logp = F.log_softmax(self.logits(o), dim=-1)  # (M, N)
         with torch.no_grad():
             tgt = self.target_logits(target_final)  # (M, V)
-            top = tgt.argmax(-1)  # (M,)
-            tgt_logp = F.log_softmax(tgt[:, self.draft_ids], dim=-1)  # (M, N) renormalised on the draft vocab
-            in_vocab = self.t2d[top].float()  # the reference drops positions whose top-1 the draft cannot say
-        kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)  # (M,)
+        kl, top = restricted_kl(draft_logp, tgt, self.draft_ids, self.t2d)
         M = o.shape[0]
-        kl = (kl * in_vocab).sum() / in_vocab.sum().clamp(min=1)
         acc = (self.draft_ids[draft_logp.argmax(-1)] == top).float().sum().detach() / max(M, 1)
         return kl, acc, M
 

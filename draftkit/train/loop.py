@@ -113,7 +113,7 @@ class Trainer:
         if self.main:
             log.info("data: %d training samples, %d held-aside (%.0f s): %s", len(self.data.train),
                      len(self.data.holdout_samples), time.time() - t0, json.dumps(self.data.stats, default=str))
-        if hasattr(self.head, "set_draft_vocab"):  # EAGLE-3: the most frequent response tokens
+        if hasattr(self.head, "set_draft_vocab"):  # EAGLE-3 / EAGLE-1: the most frequent response tokens
             self.head.set_draft_vocab(tokens=[t for s in self.data.train
                                               for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
         self.order = SampleOrder(len(self.data.train), r.train.seed)

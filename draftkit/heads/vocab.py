@@ -1,0 +1,110 @@
+"""The draft vocabulary: a head that drafts over the N most frequent response tokens, not all V.
+
+Shared by EAGLE-1 (optional: head.draft_vocab_size) and EAGLE-3 (always). As the EAGLE-3
+reference: draft id j <-> target id j + d2t[j] (d2t (N,) long, OFFSETS, draft ids in ascending
+target id order) and t2d (V,) bool marks the target ids inside the draft vocabulary. Both are
+buffers, saved with the head; the trainer picks them once through head.set_draft_vocab.
+Training restricts the target's distribution to the draft vocabulary and renormalises it;
+drafting scatters the N draft logits into a (B, V) tensor filled with -inf before sampling.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from draftkit.heads.base import HeadError
+
+
+def token_counts(tokens: Tensor | Iterable, vocab_size: int) -> Tensor:
+    """Counts (V,) of token ids given as a tensor, or an iterable of samples (lists / tensors)."""
+    if not isinstance(tokens, Tensor):
+        parts = [torch.as_tensor(s, dtype=torch.long).flatten() for s in tokens]
+        tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    tokens = tokens.flatten().long().cpu()
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise HeadError(f"draft vocabulary: token ids must lie in 0..{vocab_size - 1}, "
+                        f"got {tokens.min().item()}..{tokens.max().item()}")
+    return torch.bincount(tokens, minlength=vocab_size)
+
+
+def build_draft_vocab(size: int, vocab_size: int, *, tokens: Tensor | Iterable | None = None,
+                      counts: Tensor | Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    """The `size` most frequent tokens (ties: lower id first) -> (d2t (N,) long, t2d (V,) bool).
+
+    As the EAGLE-3 reference: draft id j <-> target id j + d2t[j], draft ids in ascending target
+    id order, t2d[v] = v is in the draft vocabulary. Tokens never seen fill up by id order.
+    """
+    if not 0 < size <= vocab_size:
+        raise HeadError(f"head.draft_vocab_size: {size} must be in 1..{vocab_size} (the target's vocabulary)")
+    if (tokens is None) == (counts is None):
+        raise HeadError("draft vocabulary: give exactly one of tokens= or counts=")
+    c = token_counts(tokens, vocab_size) if counts is None else torch.as_tensor(counts).flatten().cpu()
+    if c.numel() != vocab_size:
+        raise HeadError(f"draft vocabulary: counts has {c.numel()} entries, the target vocabulary {vocab_size}")
+    order = torch.sort(c.double(), descending=True, stable=True).indices  # most frequent, low id first
+    used = order[:size].sort().values  # (N,) target ids, ascending
+    d2t = used - torch.arange(size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+def check_draft_vocab_size(size: int, target) -> None:
+    if not 0 < size <= target.vocab_size:
+        raise HeadError(f"head.draft_vocab_size: {size} must be in 1..{target.vocab_size} "
+                        f"(the vocabulary of target {target.name})")
+
+
+def restricted_kl(draft_logp: Tensor, tgt_logits: Tensor, draft_ids: Tensor, t2d: Tensor) -> tuple[Tensor, Tensor]:
+    """KL(p_target restricted to the draft vocab, renormalised || p̂) over M positions.
+
+    draft_logp (M, N) the head's log-probs over the draft vocab; tgt_logits (M, V) the target's.
+    -> (kl (M,), top (M,) the target's full-vocabulary argmax). Positions whose top-1 the draft
+    vocabulary cannot say have kl = 0 and are left out of the mean (the EAGLE-3 reference).
+    """
+    with torch.no_grad():
+        top = tgt_logits.argmax(-1)  # (M,)
+        tgt_logp = torch.log_softmax(tgt_logits[:, draft_ids], dim=-1)  # (M, N) renormalised
+        in_vocab = t2d[top].float()  # (M,)
+    kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)  # (M,)
+    return (kl * in_vocab).sum() / in_vocab.sum().clamp(min=1), top
+
+
+class DraftVocab:
+    """Mixin for a DraftHead with d2t / t2d buffers (call init_draft_vocab in __init__)."""
+
+    d2t: Tensor
+    t2d: Tensor
+
+    def init_draft_vocab(self, size: int, vocab_size: int) -> None:
+        # Until set_draft_vocab: the first N token ids (the identity when N = V).
+        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[:size] = True
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def draft_ids(self) -> Tensor:
+        """(N,) the target id of every draft id."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, tokens: Tensor | Iterable | None = None, *, counts: Tensor | None = None) -> None:
+        """Pick the draft vocabulary from the training responses; call once BEFORE training.
+
+        tokens: the (loss-masked) response token ids, as one tensor or an iterable of samples;
+        counts: (V,) token frequencies instead. Writes the d2t / t2d buffers (saved with the head).
+        """
+        d2t, t2d = build_draft_vocab(self.d2t.shape[0], self.t2d.shape[0], tokens=tokens, counts=counts)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.draft_vocab_changed()
+
+    def draft_vocab_changed(self) -> None:
+        """Hook: the family's own follow-up (EAGLE-3 re-inits lm_head, EAGLE-1 drops its cache)."""
+
+    def to_target_logits(self, logits: Tensor) -> Tensor:
+        """(..., N) draft logits -> (..., V) target logits, -inf off the draft vocabulary."""
+        out = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, logits)
