@@ -41,6 +41,9 @@ class TargetFeatures:
     hidden: Tensor  # (B, T, len(layers) * H) requested layers, concatenated in request order
     final_hidden: Tensor  # (B, T, H) output of the final norm (what the lm_head reads)
     loss_mask: Tensor | None = None  # (B, T) 1 on tokens the loss covers (assistant tokens)
+    # (B, T) the target's greedy next token at each position (argmax of its logits), when computed
+    # with the features: lets draft-vocabulary losses skip the full-vocabulary lm_head every step.
+    top1: Tensor | None = None
 
 
 def cache_root() -> Path:
@@ -160,8 +163,9 @@ class Target:
     # ---- features ----
     @torch.no_grad()
     def features(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                 layers: tuple[int, ...] = (FINAL,), loss_mask: Tensor | None = None) -> TargetFeatures:
-        """One forward of the decoder (no lm_head): the requested layers and the final hidden."""
+                 layers: tuple[int, ...] = (FINAL,), loss_mask: Tensor | None = None,
+                 top1: bool = False) -> TargetFeatures:
+        """One forward of the decoder: the requested layers and the final hidden (+ top-1 ids)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
@@ -169,7 +173,8 @@ class Target:
         final = out.last_hidden_state  # (B, T, H) after the final norm
         picked = [final if i == FINAL else out.hidden_states[i] for i in layers]
         hidden = picked[0] if len(picked) == 1 else torch.cat(picked, dim=-1)
-        return TargetFeatures(input_ids, attention_mask, hidden, final, loss_mask)
+        greedy = torch.stack([self.logits(row).argmax(-1) for row in final]) if top1 else None  # (B, T)
+        return TargetFeatures(input_ids, attention_mask, hidden, final, loss_mask, greedy)
 
     def logits(self, final_hidden: Tensor) -> Tensor:
         return self.lm_head(final_hidden.to(self.dtype))

@@ -5,6 +5,7 @@ start real `deepspeed` / `python` processes on CPU with gloo.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -284,3 +285,25 @@ def test_torchrun_two_processes(tiny_model_dir, prompt_file, tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert (tmp_path / "run" / "head" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text() == "step2"
+
+
+def test_cached_top1_gives_the_same_loss_as_full_logits(tmp_path):
+    """Draft-vocabulary losses read the target's top-1 from the feature cache instead of a full lm_head."""
+    from draftkit.heads import build_head
+
+    target = make_tiny_target()
+    samples = [{"input_ids": [3 + (7 * i + j) % 90 for j in range(12)], "loss_mask": [0] * 4 + [1] * 8}
+               for i in range(3)]
+    cached = FeatureStore(target, (-1,), tmp_path).batch(samples, pad_id=0)
+    online = FeatureStore(target, (-1,), None).batch(samples, pad_id=0)
+    assert online.top1 is None
+    full = target.logits(cached.final_hidden).argmax(-1)
+    assert torch.equal(cached.top1[cached.attention_mask.bool()], full[cached.attention_mask.bool()])
+    for settings in ({"type": "eagle", "draft_vocab_size": 40},
+                     {"type": "eagle3", "draft_vocab_size": 40, "feature_layers": [1, 2, 3], "ttt_steps": 2}):
+        head = build_head(settings, target)
+        head.set_draft_vocab(tokens=[t for s in samples for t in s["input_ids"]])
+        f = FeatureStore(target, head.feature_layers, tmp_path).batch(samples, pad_id=0)
+        with_top1, without = head.loss(f), head.loss(dataclasses.replace(f, top1=None))
+        for key in ("loss", "acc"):
+            torch.testing.assert_close(with_top1[key], without[key], rtol=1e-6, atol=1e-6, msg=key)

@@ -93,13 +93,7 @@ class EagleHead(DraftVocab, DraftHead):
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """(..., H) -> (..., N) float32 logits of the frozen lm_head's draft-vocabulary rows."""
-        w = self.shared.lm_head.weight  # (V, H)
-        # The gathered rows, rebuilt when the draft vocabulary, the target, its device or dtype change.
-        key = (w.data_ptr(), w.device, w.dtype, self.d2t.data_ptr(), self.d2t._version)
-        if self._vocab_w is None or self._vocab_w[0] != key:
-            with torch.no_grad():
-                object.__setattr__(self, "_vocab_w", (key, w[self.draft_ids.to(w.device)].detach()))
-        return F.linear(hidden.to(w.dtype), self._vocab_w[1]).float()
+        return self.target_rows_logits(hidden)
 
     # ---- the network ----
     def forward(self, feats: Tensor, next_ids: Tensor, positions: Tensor, mask: Tensor,
@@ -124,14 +118,16 @@ class EagleHead(DraftVocab, DraftHead):
         lm = features.loss_mask if features.loss_mask is not None else attn.long()
         sup = torch.zeros_like(valid)
         sup[:, :-1] = lm[:, 2:].bool() & valid[:, :-1]
-        return self.distill_loss(pred[sup], f[:, 1:][sup], features.final_hidden[:, 1:][sup])
+        top1 = features.top1[:, 1:][sup] if features.top1 is not None else None
+        return self.distill_loss(pred[sup], f[:, 1:][sup], features.final_hidden[:, 1:][sup], top1)
 
-    def distill_loss(self, pred: Tensor, target_feat: Tensor, target_final: Tensor) -> dict[str, Tensor]:
+    def distill_loss(self, pred: Tensor, target_feat: Tensor, target_final: Tensor,
+                     top1: Tensor | None = None) -> dict[str, Tensor]:
         """Losses over the N supervised positions only: pred/target (N, H)."""
         c = self.config
         feat = F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1)  # (N,)
         if self.has_draft_vocab:
-            return self.draft_vocab_loss(pred, feat, target_final)
+            return self.draft_vocab_loss(pred, feat, target_final, top1)
         head_logp = F.log_softmax(self.target_logits(pred), dim=-1)  # (N, V)
         with torch.no_grad():
             tgt_logits = self.target_logits(target_final)
@@ -144,15 +140,13 @@ class EagleHead(DraftVocab, DraftHead):
                 "kl": kl_l.detach(), "acc": acc.sum().detach() / n,
                 "tokens": torch.tensor(float(pred.shape[0]))}
 
-    def draft_vocab_loss(self, pred: Tensor, feat: Tensor, target_final: Tensor) -> dict[str, Tensor]:
+    def draft_vocab_loss(self, pred: Tensor, feat: Tensor, target_final: Tensor,
+                         top1: Tensor | None) -> dict[str, Tensor]:
         """distill_loss with the KL over the draft vocabulary (d2t) only: pred (N, H), feat (N,)."""
         c = self.config
         head_logp = F.log_softmax(self.draft_logits(pred), dim=-1)  # (N, Vd)
-        with torch.no_grad():
-            # (N, V) in full for the exact top-1 (acc, and the KL's out-of-vocabulary positions);
-            # forward only, but still about half of this loss's time at V 49k / N 8k.
-            tgt_logits = self.target_logits(target_final)
-        kl_l, top = restricted_kl(head_logp, tgt_logits, self.draft_ids, self.t2d)
+        tgt_draft, top = self.target_on_draft_vocab(target_final, top1)
+        kl_l = restricted_kl(head_logp, tgt_draft, top, self.t2d)
         acc = (self.draft_ids[head_logp.argmax(-1)] == top).float()  # comparable with the full vocabulary
         n = max(pred.shape[0], 1)
         feat_l = feat.sum() / n

@@ -164,18 +164,18 @@ class Eagle3Head(DraftVocab, DraftHead):
             n = max(T - 2 - i, 0)
             sup = torch.zeros_like(attn[:, :-1])  # (B, T-1)
             sup[:, :n] = lm[:, 2 + i:] & attn[:, :n] & attn[:, 1:1 + n]
-            kl, acc, used = self.step_loss(o[sup], features.final_hidden[:, 1 + i: 1 + i + n][sup[:, :n]])
+            top1 = features.top1[:, 1 + i: 1 + i + n][sup[:, :n]] if features.top1 is not None else None
+            kl, acc, used = self.step_loss(o[sup], features.final_hidden[:, 1 + i: 1 + i + n][sup[:, :n]], top1)
             total = total + c.ttt_decay ** i * kl
             metrics[f"kl_{i}"], metrics[f"acc_{i}"] = kl.detach(), acc
             metrics.setdefault("tokens", torch.tensor(float(used)))
         return {"loss": total, "acc": metrics["acc_0"], **metrics}
 
-    def step_loss(self, o: Tensor, target_final: Tensor) -> tuple[Tensor, Tensor, int]:
-        """KL over M supervised positions: o (M, H), target_final (M, H) -> (kl, acc, M)."""
+    def step_loss(self, o: Tensor, target_final: Tensor, top1: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
+        """KL over M supervised positions: o (M, H), target_final (M, H), top1 (M,) | None -> (kl, acc, M)."""
         draft_logp = F.log_softmax(self.logits(o), dim=-1)  # (M, N)
-        with torch.no_grad():
-            tgt = self.target_logits(target_final)  # (M, V)
-        kl, top = restricted_kl(draft_logp, tgt, self.draft_ids, self.t2d)
+        tgt_draft, top = self.target_on_draft_vocab(target_final, top1)
+        kl = restricted_kl(draft_logp, tgt_draft, top, self.t2d)
         M = o.shape[0]
         acc = (self.draft_ids[draft_logp.argmax(-1)] == top).float().sum().detach() / max(M, 1)
         return kl, acc, M

@@ -57,19 +57,18 @@ def check_draft_vocab_size(size: int, target) -> None:
                         f"(the vocabulary of target {target.name})")
 
 
-def restricted_kl(draft_logp: Tensor, tgt_logits: Tensor, draft_ids: Tensor, t2d: Tensor) -> tuple[Tensor, Tensor]:
+def restricted_kl(draft_logp: Tensor, tgt_draft_logits: Tensor, top: Tensor, t2d: Tensor) -> Tensor:
     """KL(p_target restricted to the draft vocab, renormalised || p̂) over M positions.
 
-    draft_logp (M, N) the head's log-probs over the draft vocab; tgt_logits (M, V) the target's.
-    -> (kl (M,), top (M,) the target's full-vocabulary argmax). Positions whose top-1 the draft
-    vocabulary cannot say have kl = 0 and are left out of the mean (the EAGLE-3 reference).
+    draft_logp (M, N) the head's log-probs over the draft vocab; tgt_draft_logits (M, N) the
+    target's logits on the same tokens; top (M,) the target's full-vocabulary argmax. Positions
+    whose top-1 the draft vocabulary cannot say are left out of the mean (the EAGLE-3 reference).
     """
     with torch.no_grad():
-        top = tgt_logits.argmax(-1)  # (M,)
-        tgt_logp = torch.log_softmax(tgt_logits[:, draft_ids], dim=-1)  # (M, N) renormalised
+        tgt_logp = torch.log_softmax(tgt_draft_logits.float(), dim=-1)  # (M, N) renormalised
         in_vocab = t2d[top].float()  # (M,)
     kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)  # (M,)
-    return (kl * in_vocab).sum() / in_vocab.sum().clamp(min=1), top
+    return (kl * in_vocab).sum() / in_vocab.sum().clamp(min=1)
 
 
 class DraftVocab:
@@ -103,6 +102,30 @@ class DraftVocab:
 
     def draft_vocab_changed(self) -> None:
         """Hook: the family's own follow-up (EAGLE-3 re-inits lm_head, EAGLE-1 drops its cache)."""
+
+    def target_rows_logits(self, hidden: Tensor) -> Tensor:
+        """(..., H) -> (..., N) float32 logits of the frozen target lm_head's draft-vocabulary rows."""
+        w = self.shared.lm_head.weight  # (V, H)
+        # The gathered rows: a cache (never saved), rebuilt when d2t, the target, device or dtype change.
+        key = (w.data_ptr(), w.device, w.dtype, self.d2t.data_ptr(), self.d2t._version)
+        cached = getattr(self, "_vocab_w", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, w[self.draft_ids.to(w.device)].detach())
+            object.__setattr__(self, "_vocab_w", cached)
+        return torch.nn.functional.linear(hidden.to(w.dtype), cached[1]).float()
+
+    def target_on_draft_vocab(self, target_final: Tensor, top1: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The target's logits over the draft vocab (M, N) and its full-vocabulary argmax (M,).
+
+        top1 comes with cached features (computed once per sample); without it the full (M, V)
+        logits are computed here, forward only.
+        """
+        with torch.no_grad():
+            if top1 is not None:
+                return self.target_rows_logits(target_final), top1
+            full = self.target_logits(target_final)  # (M, V)
+            return full[:, self.draft_ids], full.argmax(-1)
 
     def to_target_logits(self, logits: Tensor) -> Tensor:
         """(..., N) draft logits -> (..., V) target logits, -inf off the draft vocabulary."""

@@ -80,17 +80,18 @@ class FeatureStore:
         missing = [i for i, p in enumerate(paths) if not p.is_file()]
         if missing:
             self._compute([samples[i] for i in missing], [paths[i] for i in missing], pad_id)
-        hidden, final = self._load(paths, b["input_ids"].shape[1])
+        hidden, final, top1 = self._load(paths, b["input_ids"].shape[1])
         return TargetFeatures(b["input_ids"].to(dev), b["attention_mask"].to(dev), hidden.to(dev),
-                              final.to(dev), b["loss_mask"].to(dev))
+                              final.to(dev), b["loss_mask"].to(dev), top1.long().to(dev))
 
     def _compute(self, samples: list[dict], paths: list[Path], pad_id: int) -> None:
         b = collate(samples, pad_id)
         dev = self.target.device
-        f = self.target.features(b["input_ids"].to(dev), b["attention_mask"].to(dev), self.layers)
+        f = self.target.features(b["input_ids"].to(dev), b["attention_mask"].to(dev), self.layers, top1=True)
         for i, (s, path) in enumerate(zip(samples, paths)):
             L = len(s["input_ids"])
-            tensors = {"final": f.final_hidden[i, :L].contiguous().cpu()}
+            tensors = {"final": f.final_hidden[i, :L].contiguous().cpu(),
+                       "top1": f.top1[i, :L].to(torch.int32).contiguous().cpu()}
             if not self.same:
                 tensors["hidden"] = f.hidden[i, :L].contiguous().cpu()
             tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -98,13 +99,13 @@ class FeatureStore:
             os.replace(tmp, path)  # atomic: a killed run never leaves a half-written feature file
         self.computed += len(samples)
 
-    def _load(self, paths: list[Path], T: int) -> tuple[Tensor, Tensor]:
+    def _load(self, paths: list[Path], T: int) -> tuple[Tensor, Tensor, Tensor]:
         rows = [load_file(p) for p in paths]
         def pad(key: str) -> Tensor:
             first = rows[0][key]
-            out = torch.zeros(len(rows), T, first.shape[-1], dtype=first.dtype)
+            out = torch.zeros(len(rows), T, *first.shape[1:], dtype=first.dtype)
             for i, r in enumerate(rows):
                 out[i, : r[key].shape[0]] = r[key]
             return out
         final = pad("final")
-        return (final if self.same else pad("hidden")), final
+        return (final if self.same else pad("hidden")), final, pad("top1")
