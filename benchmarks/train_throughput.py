@@ -70,7 +70,8 @@ def main() -> None:
         opt.step()
         return out
 
-    cached = {text: target_forward(text) for text in heads}
+    # Offline features carry the target's top-1, as the feature cache stores them.
+    cached = {text: target.features(ids, attn, layers[text], loss_mask, top1=True) for text in heads}
     times: dict[str, dict[str, list[float]]] = {t: {"target": [], "online": [], "offline": []} for t in heads}
     tokens = {}
     for r in range(args.rounds + 1):  # round 0 warms up
