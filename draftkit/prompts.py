@@ -91,3 +91,28 @@ def _alpaca_text(r: dict) -> str | None:
     if not instruction:
         return None
     return f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+
+
+# Special tokens that close a chat turn in common templates (ChatML, Llama 3, Gemma, Phi).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """Token ids that close a chat turn: EOS plus the usual end-of-turn specials in the vocab."""
+    ids = {tokenizer.eos_token_id}
+    for tok in END_OF_TURN_TOKENS:
+        i = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    ids.discard(None)
+    return ids
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Token ids that end a response: end-of-turn ids plus the EOS of the config and generation config."""
+    ids = end_of_turn_ids(tokenizer) if tokenizer is not None else set()
+    for src in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        e = getattr(src, "eos_token_id", None)
+        ids.update(e if isinstance(e, (list, tuple)) else [e])
+    ids.discard(None)
+    return sorted(ids)

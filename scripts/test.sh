@@ -4,4 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export DS_ACCELERATOR=cpu WANDB_MODE=disabled
+# One thread per process: the launcher tests run several processes on two cores, and spinning
+# threads starve each other (measured: 10x slower decoding under contention with 2 threads).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/python -m pytest -q -ra "$@"

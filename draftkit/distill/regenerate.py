@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftkit.prompts import end_of_turn_ids, stop_token_ids  # noqa: F401  (re-exported)
+
 from .sources import Prompt
 
 
@@ -114,26 +116,6 @@ def read_cached(cache: Path) -> dict[str, dict]:
 def _cache_dir(cache_dir: Path, settings: GenerationSettings, target_id: str) -> Path:
     tag = hashlib.sha256(settings.fingerprint(target_id).encode()).hexdigest()[:16]
     return Path(cache_dir) / f"responses-{tag}"
-
-
-def end_of_turn_ids(tokenizer) -> set[int]:
-    """Token ids that close a chat turn: EOS plus the usual end-of-turn specials in the vocab."""
-    ids = {tokenizer.eos_token_id}
-    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
-        i = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(i, int) and i != tokenizer.unk_token_id:
-            ids.add(i)
-    ids.discard(None)
-    return ids
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """Token ids that end a response: the end-of-turn ids plus the model's generation EOS."""
-    ids = end_of_turn_ids(tokenizer)
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-    ids.discard(None)
-    return sorted(ids)
 
 
 def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path, progress: bool):

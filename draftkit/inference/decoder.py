@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from draftkit import prompts
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams, exponential, logits_to_probs, make_generators
 from draftkit.target import FINAL
 
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 
 class SpecError(ValueError):
@@ -46,19 +46,7 @@ class SpecError(ValueError):
 
 def stop_token_ids(target) -> list[int]:
     """EOS of the config, the generation config and the tokenizer, plus end-of-turn specials."""
-    ids: set = set()
-    for src in (target.config, getattr(target.model, "generation_config", None)):
-        e = getattr(src, "eos_token_id", None)
-        ids.update(e if isinstance(e, (list, tuple)) else [e])
-    tok = target.tokenizer
-    if tok is not None:
-        ids.add(tok.eos_token_id)
-        for name in END_OF_TURN_TOKENS:
-            i = tok.convert_tokens_to_ids(name)
-            if isinstance(i, int) and i != tok.unk_token_id:
-                ids.add(i)
-    ids.discard(None)
-    return sorted(ids)
+    return prompts.stop_token_ids(target.model, target.tokenizer)
 
 
 def context_length(target) -> int:
