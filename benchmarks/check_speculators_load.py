@@ -66,7 +66,7 @@ def ensure_venv(venv: Path) -> tuple[Path, float]:
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     # torch first (and pinned in the same resolve), so pip does not pull a CUDA build on its own.
     for args in (["torch==2.13.0"], ["speculators"]):
-        r = subprocess.run([python, "-m", "pip", "install", "-q", *args], capture_output=True, text=True)
+        r = subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", *args], capture_output=True, text=True)
         if r.returncode != 0:
             unreachable = any(s in r.stderr for s in ("Failed to establish a new connection", "No matching distribution",
                                                       "Could not find a version"))
