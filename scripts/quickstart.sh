@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export WANDB_MODE="${WANDB_MODE:-offline}"
 .venv/bin/deepspeed draftkit/train/run.py recipes/quick.yaml "$@"
-.venv/bin/draftkit eval --head runs/quick/head --limit 8 --k 3 --max-new-tokens 64 --out runs/quick/eval
+.venv/bin/draftkit eval --head runs/quick/head --num-synthesized 8 --k 3 --max-new-tokens 64 --out runs/quick/eval
