@@ -24,6 +24,22 @@ def make_tiny_target(vocab: int = 96, hidden: int = 32, layers: int = 4, heads: 
     return Target(model, None, name=f"tiny-llama-{seed}")
 
 
+def batch(target, B=3, T=12, seed=1):
+    """Random token ids (B, T) with one right-padded row and 4 'prompt' tokens outside the loss."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, target.vocab_size, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, -3:] = 0  # a right-padded row
+    loss_mask = attn.clone()
+    loss_mask[:, :4] = 0  # "prompt" tokens
+    return ids, attn, loss_mask
+
+
+def greedy(logits):
+    """The `sample` callback of head.draft for T = 0: argmax, no probabilities."""
+    return logits.argmax(-1), None
+
+
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()

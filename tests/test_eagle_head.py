@@ -4,17 +4,7 @@ import torch
 from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.eagle import EagleHead
 from draftkit.target import FINAL
-from tests.conftest import make_tiny_target
-
-
-def batch(target, B=3, T=12, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, target.vocab_size, (B, T), generator=g)
-    attn = torch.ones(B, T, dtype=torch.long)
-    attn[1, -3:] = 0  # a right-padded row
-    loss_mask = attn.clone()
-    loss_mask[:, :4] = 0  # "prompt" tokens
-    return ids, attn, loss_mask
+from tests.conftest import batch, greedy, make_tiny_target
 
 
 def test_eagle_feature_is_lm_head_input(tiny_target):
@@ -44,10 +34,6 @@ def test_eagle_loss_decreases_and_save_load_roundtrip(tiny_target, tmp_path):
     for (n1, a), (n2, b) in zip(head.state_dict().items(), again.state_dict().items()):
         assert n1 == n2 and torch.equal(a, b)
     torch.testing.assert_close(again.loss(feats)["loss"], head.loss(feats)["loss"], rtol=0, atol=0)
-
-
-def greedy(logits):
-    return logits.argmax(-1), None
 
 
 def test_eagle_draft_matches_training_forward(tiny_target):

@@ -5,19 +5,7 @@ from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.medusa import typical_acceptance
 from draftkit.target import FINAL, TargetError
 
-
-def batch(target, B=3, T=12, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, target.vocab_size, (B, T), generator=g)
-    attn = torch.ones(B, T, dtype=torch.long)
-    attn[1, -3:] = 0  # a right-padded row
-    loss_mask = attn.clone()
-    loss_mask[:, :4] = 0  # "prompt" tokens
-    return ids, attn, loss_mask
-
-
-def greedy(logits):
-    return logits.argmax(-1), None
+from tests.conftest import batch, greedy
 
 
 def trained(target, steps=5, **kw):
