@@ -40,6 +40,19 @@ def greedy(logits):
     return logits.argmax(-1), None
 
 
+def fit(head, feats, steps: int, lr: float):
+    """AdamW on one fixed batch: (losses per step, the last loss dict)."""
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        out = head.loss(feats)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        losses.append(out["loss"].item())
+    return losses, out
+
+
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()

@@ -4,7 +4,7 @@ import torch
 from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.eagle3 import build_draft_vocab
 from draftkit.target import TargetError
-from tests.conftest import batch, greedy, make_tiny_target
+from tests.conftest import batch, fit, greedy, make_tiny_target
 
 
 def head_for(target, **kw):
@@ -66,14 +66,7 @@ def test_eagle3_loss_decreases_and_save_load_roundtrip(tiny_target, tmp_path):
     head = head_for(tiny_target)
     ids, attn, lm = batch(tiny_target)
     feats = tiny_target.features(ids, attn, head.feature_layers, lm)
-    opt = torch.optim.AdamW(head.parameters(), lr=5e-3)
-    losses = []
-    for _ in range(20):
-        out = head.loss(feats)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(out["loss"].item())
+    losses, out = fit(head, feats, steps=20, lr=5e-3)
     assert losses[-1] < 0.5 * losses[0]
     assert {"acc", "acc_0", "acc_2", "kl_2"} <= set(out)
     head.save_pretrained(tmp_path / "head")
@@ -138,7 +131,7 @@ def test_eagle3_bad_input(tiny_target, tmp_path):
 
 
 def test_eagle3_greedy_loop_is_lossless(tiny_target):
-    dec = pytest.importorskip("draftkit.inference.decoder")
+    from draftkit.inference import decoder as dec
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
     ref, _, _ = dec.plain_generate(tiny_target, prompts, max_new_tokens=16)
     head = build_head({"type": "eagle3", "draft_vocab_size": 64, "ttt_steps": 3}, tiny_target)

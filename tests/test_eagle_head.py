@@ -4,7 +4,7 @@ import torch
 from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.eagle import EagleHead
 from draftkit.target import FINAL
-from tests.conftest import batch, greedy, make_tiny_target
+from tests.conftest import batch, fit, greedy, make_tiny_target
 
 
 def test_eagle_feature_is_lm_head_input(tiny_target):
@@ -20,14 +20,7 @@ def test_eagle_loss_decreases_and_save_load_roundtrip(tiny_target, tmp_path):
     head = build_head({"type": "eagle"}, tiny_target)
     ids, attn, lm = batch(tiny_target)
     feats = tiny_target.features(ids, attn, head.feature_layers, lm)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        out = head.loss(feats)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(out["loss"].item())
+    losses, out = fit(head, feats, steps=30, lr=3e-3)
     assert losses[-1] < 0.5 * losses[0]
     head.save_pretrained(tmp_path / "head")
     again = load_head(tmp_path / "head", tiny_target)
@@ -103,14 +96,7 @@ def test_eagle_draft_vocab_loss_decreases_and_save_load_roundtrip(tiny_target, t
     assert head.d2t.shape == (40,) and int(head.t2d.sum()) == 40
     ids, attn, lm = batch(tiny_target)
     feats = tiny_target.features(ids, attn, head.feature_layers, lm)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        out = head.loss(feats)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(out["loss"].item())
+    losses, out = fit(head, feats, steps=30, lr=3e-3)
     assert losses[-1] < 0.5 * losses[0]
     assert not any(k.startswith("_") or "vocab_w" in k for k in head.state_dict())  # the cached rows are not saved
     head.save_pretrained(tmp_path / "head")
@@ -205,7 +191,7 @@ def test_eagle_draft_vocab_bad_size_and_default_unchanged(tiny_target):
 
 
 def test_eagle_draft_vocab_greedy_loop_is_lossless(tiny_target):
-    dec = pytest.importorskip("draftkit.inference.decoder")
+    from draftkit.inference import decoder as dec
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
     ref, _, _ = dec.plain_generate(tiny_target, prompts, max_new_tokens=16)
     head = build_head({"type": "eagle", "draft_vocab_size": 48}, tiny_target)

@@ -139,7 +139,7 @@ def test_medusa_bad_input(tiny_target, tmp_path):
 
 
 def test_medusa_greedy_loop_is_lossless(tiny_target):
-    dec = pytest.importorskip("draftkit.inference.decoder")
+    from draftkit.inference import decoder as dec
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
     ref, _, _ = dec.plain_generate(tiny_target, prompts, max_new_tokens=16)
     head = build_head({"type": "medusa"}, tiny_target)  # identity blocks: this target repeats, all accepted

@@ -4,7 +4,7 @@ import torch
 from draftkit.heads import HeadError, build_head, load_head
 from draftkit.target import FINAL
 
-from tests.conftest import batch, greedy
+from tests.conftest import batch, fit, greedy
 
 
 def test_mtp_reads_the_final_norm_output(tiny_target):
@@ -44,14 +44,7 @@ def test_mtp_loss_decreases_and_save_load_roundtrip(tiny_target, tmp_path):
     head = build_head({"type": "mtp", "num_depths": 2, "depth_weights": [1.0, 0.5]}, tiny_target)
     ids, attn, lm = batch(tiny_target)
     feats = tiny_target.features(ids, attn, head.feature_layers, lm)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        out = head.loss(feats)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(out["loss"].item())
+    losses, out = fit(head, feats, steps=30, lr=3e-3)
     assert losses[-1] < 0.5 * losses[0]
     torch.testing.assert_close(out["loss"].detach(), out["kl_0"] + 0.5 * out["kl_1"])
     head.save_pretrained(tmp_path / "head")
@@ -120,7 +113,7 @@ def test_mtp_bad_input(tiny_target, tmp_path):
 
 
 def test_mtp_greedy_loop_is_lossless(tiny_target):
-    dec = pytest.importorskip("draftkit.inference.decoder")
+    from draftkit.inference import decoder as dec
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
     ref, _, _ = dec.plain_generate(tiny_target, prompts, max_new_tokens=16)
     head = build_head({"type": "mtp", "num_depths": 2}, tiny_target)
