@@ -212,3 +212,38 @@ def test_synthesized_prompts_are_user_turns(target):
     assert len(prompts) <= 3
     for p in prompts:
         assert p.category == "synthesized" and p.messages[0]["role"] == "user" and p.messages[0]["content"]
+
+
+def test_typical_acceptance_is_reported_as_lossy(target, tmp_path, capsys):
+    """--acceptance typical: the report names the rule and says LOSSY; the T = 0 check still runs."""
+    head = build_head({"type": "medusa", "num_heads": 3}, target)
+    prompts = ["Say hi.", [5, 6, 7, 8]]
+    rep = evaluate(target, head, prompts, k=3, temperatures=(0.0, 0.7), max_new_tokens=8, ngram=False,
+                   acceptance="typical", typical_epsilon=0.1, typical_delta=0.25)
+    assert rep["status"] == "complete" and rep["acceptance"] == "typical (lossy, eps=0.1, delta=0.25)"
+    assert rep["lossless"] is False and rep["greedy_mismatches"] is not None  # reported, whatever it is
+    write_report(rep, tmp_path / "typ")
+    md = (tmp_path / "typ" / "report.md").read_text()
+    assert "typical (lossy, eps=0.1, delta=0.25)" in md and "LOSSY" in md and "not a bug" in md
+    table = format_table(rep)
+    assert "typical (lossy" in table and "LOSSY" in table
+    assert json.loads((tmp_path / "typ" / "report.json").read_text())["acceptance"].startswith("typical (lossy")
+    # the default: lossless rejection sampling, said so
+    rep = evaluate(target, head, prompts, k=3, max_new_tokens=8, baseline=False, ngram=False)
+    assert rep["acceptance"] == "rejection (lossless)" and rep["lossless"] is True
+    assert "rejection (lossless)" in format_table(rep) and "LOSSY" not in format_table(rep)
+    with pytest.raises(SpecError, match="acceptance must be one of"):
+        evaluate(target, head, prompts, acceptance="lossy")
+
+
+def test_cli_acceptance(saved, tmp_path, capsys):
+    args = ["eval", "--head", str(saved / "run"), "--target", str(saved / "target"), "--prompts",
+            str(FIXTURES / "data" / "prompt.jsonl"), "--k", "2", "--max-new-tokens", "4", "--no-ngram",
+            "--acceptance", "typical", "--typical-epsilon", "0.05", "--out", str(tmp_path / "t")]
+    assert cli(args) == 0
+    rep = json.loads((tmp_path / "t" / "report.json").read_text())
+    assert rep["acceptance"] == "typical (lossy, eps=0.05, delta=0.3)" and rep["lossless"] is False
+    captured = capsys.readouterr()
+    assert "typical (lossy" in captured.out and "not the target's distribution" in captured.err
+    assert cli(args[:-2] + ["--typical-delta", "-1", "--out", str(tmp_path / "bad")]) == 2
+    assert "typical_delta" in capsys.readouterr().err

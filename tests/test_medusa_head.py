@@ -150,3 +150,69 @@ def test_medusa_greedy_loop_is_lossless(tiny_target):
             p.add_(0.5 * torch.randn_like(p))
     out, stats = dec.SpecDecoder(tiny_target, head, k=4).generate(prompts, max_new_tokens=16)
     assert out == ref
+
+
+# ---- typical acceptance in the verify loop (LOSSY option; the default stays rejection sampling) ----
+
+
+def peaked_target():
+    """The tiny target with a sharper final norm: entropy ~3.7 nats at T = 0.7 instead of ~log V,
+    where typical acceptance's bar (delta * e^-H) would let every token through."""
+    from tests.conftest import make_tiny_target
+    t = make_tiny_target()
+    with torch.no_grad():
+        t.model.model.norm.weight.mul_(5.0)
+    return t
+
+
+def test_typical_loop_accepts_more_and_is_lossless_only_at_t0(one_thread):
+    from draftkit.inference.decoder import SpecDecoder, plain_generate
+    from draftkit.inference.sampling import SamplingParams
+    target = peaked_target()
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
+    head = build_head({"type": "medusa"}, target)
+    default = SpecDecoder(target, head, k=4)
+    assert default.acceptance == "rejection" and default.lossless and default.acceptance_label == "rejection (lossless)"
+    typical = SpecDecoder(target, head, k=4, acceptance="typical")
+    assert not typical.lossless and typical.acceptance_label == "typical (lossy, eps=0.09, delta=0.3)"
+    params, seeds = SamplingParams(0.7), [0, 1, 2, 3]
+    _, rej = default.generate(prompts, 24, params, seeds)
+    _, typ = typical.generate(prompts, 24, params, seeds)
+    assert sum(typ.accepted_at) >= sum(rej.accepted_at) and typ.tau > rej.tau
+    # T = 0: the processed distribution is one-hot, so the rule is exact match and output = plain decoding
+    ref, _, _ = plain_generate(target, prompts, 16)
+    assert typical.generate(prompts, 16)[0] == ref and default.generate(prompts, 16)[0] == ref
+
+
+def test_typical_verify_accepts_what_rejection_sampling_would_not(one_thread):
+    """A draft with p = 0.4 (above the bar, not the argmax): rejection sampling keeps it in ~40% of
+    rows, as losslessness demands; typical acceptance keeps it in every row: lossy, and more accepted."""
+    from draftkit.inference.decoder import sample_fn, typical_verify
+    from draftkit.inference.rejection import RejectionSampler
+    from draftkit.inference.sampling import SamplingParams, make_generators
+    B, V = 256, 8
+    p = torch.tensor([0.5, 0.4] + [0.1 / (V - 2)] * (V - 2))
+    logits = p.log().expand(B, 2, V).clone()  # T = 1 gives back p at both positions
+    drafts = torch.ones(B, 1, dtype=torch.long)
+    num_draft = torch.ones(B, dtype=torch.long)
+    params = SamplingParams(1.0)
+    _, n_rej = RejectionSampler("torch")(drafts, None, logits, num_draft, params, make_generators(range(B), "cpu"))
+    out, n_typ = typical_verify(drafts, logits, num_draft, params, sample_fn(params, make_generators(range(B), "cpu")))
+    assert n_typ.tolist() == [1] * B and 0.25 < n_rej.float().mean() < 0.55
+    assert torch.equal(out[:, 0], drafts[:, 0]) and (out[:, 1] >= 0).all()  # the bonus is the target's draw
+    # rows offering fewer drafts, a rejected draft, greedy: the target's argmax follows the accepted prefix
+    logits = torch.zeros(2, 3, V)
+    logits[:, :, 3] = 5.0
+    logits[1, 1, 5] = 9.0
+    out, n = typical_verify(torch.tensor([[3, 3], [3, 1]]), logits, torch.tensor([1, 2]), SamplingParams(),
+                            sample_fn(SamplingParams(), None))
+    assert n.tolist() == [1, 1] and out.tolist() == [[3, 3, -1], [3, 5, -1]]
+
+
+def test_typical_settings_are_checked(tiny_target):
+    from draftkit.inference.decoder import SpecDecoder, SpecError
+    head = build_head({"type": "medusa"}, tiny_target)
+    with pytest.raises(SpecError, match="acceptance must be one of rejection, typical"):
+        SpecDecoder(tiny_target, head, k=2, acceptance="greedy")
+    with pytest.raises(SpecError, match="typical_delta"):
+        SpecDecoder(tiny_target, head, k=2, acceptance="typical", typical_delta=-1.0)

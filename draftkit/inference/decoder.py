@@ -24,6 +24,19 @@ token (tests/test_spec_decoder.py).
 A drafter may leave positions empty by returning token -1 there (the n-gram drafter does when it
 finds no match); that row then drafts fewer tokens this step, and the verify forward is only as
 wide as the longest row's draft.
+
+Acceptance rule (`SpecDecoder(acceptance=...)`):
+  "rejection" (default)  the rejection sampler: LOSSLESS, every token follows the target's distribution.
+  "typical"              Medusa's typical acceptance (Cai et al. 2024, heads/medusa.py): LOSSY. Draft i
+                         is accepted while p(d_i) > min(epsilon, delta * exp(-H(p))), p the target's
+                         distribution at that position after the same temperature / top-k / top-p; at
+                         the first position not accepted (or the bonus position) the token is the
+                         target's own: argmax at T = 0, at T > 0 a draw from that same processed
+                         distribution (the Medusa paper takes it greedily; we sample so T > 0 stays a
+                         sample). The drafter drafts its top-1 chain (greedy `sample`, as Medusa's
+                         candidates are the heads' top predictions): the rule never reads q, and a
+                         draft sampled from q would often be a low-p token it rejects. At T = 0 p is
+                         one-hot, so the rule is exact match: lossless there.
 """
 from __future__ import annotations
 
@@ -34,6 +47,7 @@ import torch
 from torch import Tensor
 
 from draftkit import prompts
+from draftkit.heads.medusa import typical_acceptance
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams, exponential, logits_to_probs, make_generators
 from draftkit.target import FINAL
@@ -251,16 +265,67 @@ def _sync(device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Typical acceptance (lossy)
+# ---------------------------------------------------------------------------------------------
+
+ACCEPTANCE_RULES = ("rejection", "typical")
+TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3  # Medusa's posterior_threshold / posterior_alpha
+
+
+def acceptance_label(acceptance: str = "rejection", epsilon: float = TYPICAL_EPSILON,
+                     delta: float = TYPICAL_DELTA) -> str:
+    """How a report names the rule: 'rejection (lossless)' or 'typical (lossy, eps=..., delta=...)'."""
+    if acceptance == "typical":
+        return f"typical (lossy, eps={epsilon:g}, delta={delta:g})"
+    return "rejection (lossless)"
+
+
+def check_acceptance(acceptance: str, epsilon: float, delta: float) -> None:
+    if acceptance not in ACCEPTANCE_RULES:
+        raise SpecError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {acceptance!r}")
+    for name, v in (("typical_epsilon", epsilon), ("typical_delta", delta)):
+        if not (isinstance(v, (int, float)) and 0.0 <= v < float("inf")):
+            raise SpecError(f"{name} must be a finite number >= 0, got {v!r}")
+
+
+def typical_verify(drafts: Tensor, logits: Tensor, num_draft: Tensor, params: SamplingParams, sample,
+                   epsilon: float = TYPICAL_EPSILON, delta: float = TYPICAL_DELTA) -> tuple[Tensor, Tensor]:
+    """The verify rule of acceptance="typical" (LOSSY at T > 0), same contract as the rejection sampler.
+
+    drafts (B, w), logits (B, w+1, V) the target's raw logits at the verify positions, num_draft (B,).
+    Accepts the longest prefix with p(d_i) > min(epsilon, delta * exp(-H(p_i))), p_i the processed
+    target distribution (logits_to_probs: one-hot at T = 0, so exact match there), then takes the
+    target's own token at position num_accepted with `sample` (argmax at T = 0, a per-row draw from
+    p at T > 0; no residual distribution). Returns (tokens (B, w+1) padded with -1, num_accepted (B,)).
+    """
+    B, w = drafts.shape
+    probs = logits_to_probs(logits[:, :w], params)  # (B, w, V)
+    offered = torch.where(torch.arange(w, device=drafts.device)[None] < num_draft[:, None], drafts, -1)
+    num_acc = typical_acceptance(offered, probs, epsilon, delta)  # (B,)
+    last, _ = sample(logits[torch.arange(B, device=drafts.device), num_acc])  # (B,)
+    positions = torch.arange(w + 1, device=drafts.device)[None]  # (1, w+1)
+    out = torch.where(positions < num_acc[:, None], torch.nn.functional.pad(drafts, (0, 1), value=-1), -1)
+    return out.scatter_(1, num_acc[:, None], last[:, None]), num_acc
+
+
+# ---------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------
 
 
 class SpecDecoder:
-    """Target + drafter (a DraftHead or anything with new_draft_state/draft) + rejection sampler."""
+    """Target + drafter (a DraftHead or anything with new_draft_state/draft) + rejection sampler.
+
+    acceptance="rejection" (default): lossless rejection sampling. acceptance="typical": Medusa's
+    typical acceptance with typical_epsilon / typical_delta, LOSSY at T > 0 (see the module doc).
+    """
 
     def __init__(self, target, head, k: int, sampler: RejectionSampler | None = None,
-                 stop_ids: list[int] | None = None):
+                 stop_ids: list[int] | None = None, acceptance: str = "rejection",
+                 typical_epsilon: float = TYPICAL_EPSILON, typical_delta: float = TYPICAL_DELTA):
         limit = getattr(head, "max_draft_tokens", None)
+        check_acceptance(acceptance, typical_epsilon, typical_delta)
+        self.acceptance, self.typical_epsilon, self.typical_delta = acceptance, typical_epsilon, typical_delta
         if not isinstance(k, int) or k < 1:
             raise SpecError(f"k (draft tokens per step) must be an integer >= 1, got {k!r}")
         if limit is not None and k > limit:
@@ -270,6 +335,14 @@ class SpecDecoder:
         self.sampler = sampler or RejectionSampler("auto")
         self.stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)
         self.layers = tuple(getattr(head, "feature_layers", (FINAL,)))
+
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance == "rejection"
+
+    @property
+    def acceptance_label(self) -> str:
+        return acceptance_label(self.acceptance, self.typical_epsilon, self.typical_delta)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128,
@@ -282,6 +355,8 @@ class SpecDecoder:
         stats = SpecStats(k)
         gens = make_generators(seeds if seeds is not None else range(B), dev)
         sample = sample_fn(params, gens)
+        # typical acceptance verifies the drafter's top-1 chain; rejection sampling its samples (and q)
+        draft_sample = sample_fn(SamplingParams(), gens) if self.acceptance == "typical" else sample
         rows = _Rows(B, max_new_tokens, self.stop_ids, dev)
 
         # Prefill: the whole prompt, the first token sampled from the target.
@@ -304,7 +379,7 @@ class SpecDecoder:
             active = rows.active.clone()
             # 1. Draft: the head consumes the newly confirmed positions, then drafts k.
             t0 = time.perf_counter()
-            drafts, dprobs = self.head.draft(state, feats, next_tokens, feed_valid & active[:, None], k, sample)
+            drafts, dprobs = self.head.draft(state, feats, next_tokens, feed_valid & active[:, None], k, draft_sample)
             _sync(dev)
             t1 = time.perf_counter()
             # 2. Verify [pending, d_1..d_w] in one forward; w = longest draft among running rows.
@@ -316,7 +391,10 @@ class SpecDecoder:
             step_ids = torch.cat([pending[:, None], drafts], dim=1)  # (B, w+1)
             step_valid = active[:, None].expand(B, w + 1)
             logits, feats = tc.forward(step_ids, step_valid)  # (B, w+1, V), (B, w+1, F) | None
-            if w:
+            if w and self.acceptance == "typical":  # LOSSY: see typical_verify
+                out, num_acc = typical_verify(drafts, logits, num_draft, params, sample,
+                                              self.typical_epsilon, self.typical_delta)
+            elif w:
                 out, num_acc = self.sampler(drafts, dprobs, logits, num_draft, params, gens)  # (B, w+1), (B,)
             else:  # nothing drafted anywhere: a plain step, the token drawn from the target as is
                 out, num_acc = sample(logits[:, 0])[0][:, None], torch.zeros_like(num_draft)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from draftkit.inference.decoder import (SpecDecoder, SpecError, SpecStats, PlainStats, compare_greedy,
+from draftkit.inference.decoder import (ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, SpecDecoder, SpecError,
+                                        SpecStats, PlainStats, acceptance_label, check_acceptance, compare_greedy,
                                         context_length, plain_generate, stop_token_ids)
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.rejection import RejectionSampler
@@ -140,9 +141,9 @@ def synthesize_prompts(target, n: int, seed: int = 0, max_tokens: int = 64,
 class _Method:
     """One way of decoding (spec with the head / n-gram, or plain) and its accumulated stats."""
 
-    def __init__(self, name: str, target, drafter, k: int, sampler, stop_ids):
+    def __init__(self, name: str, target, drafter, k: int, sampler, stop_ids, **acceptance):
         self.name, self.target = name, target
-        self.decoder = SpecDecoder(target, drafter, k, sampler, stop_ids) if drafter is not None else None
+        self.decoder = SpecDecoder(target, drafter, k, sampler, stop_ids, **acceptance) if drafter is not None else None
         self.stop_ids, self.k = stop_ids, k
 
     def run(self, ids, max_new, params, seeds, record_gaps=False):
@@ -159,13 +160,20 @@ def _fresh(method: _Method):
 def evaluate(target, head, prompts, *, k: int = 5, temperatures=(0.0,), max_new_tokens: int = 128,
              batch_size: int = 1, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              baseline: bool = True, ngram: bool = True, ngram_n: int = 3, sampler: RejectionSampler | None = None,
-             stop_ids: list[int] | None = None, raise_errors: bool = True, progress: bool = False) -> dict:
+             stop_ids: list[int] | None = None, raise_errors: bool = True, progress: bool = False,
+             acceptance: str = "rejection", typical_epsilon: float = TYPICAL_EPSILON,
+             typical_delta: float = TYPICAL_DELTA) -> dict:
     """Measure tau, alpha_i, tokens/s and speedup of `head` (None: only the n-gram drafter) on `prompts`.
 
     prompts: EvalPrompts, distill Prompts, strings, message lists or token-id lists.
     baseline / ngram: also run plain decoding (tokens/s, speedup, the T = 0 equality check) and
     the n-gram drafter. Without them it is the cheap training-time mode.
     raise_errors=False: a failure midway returns the report so far with status "partial".
+    acceptance: "rejection" (lossless, the default) or "typical" (Medusa's typical acceptance with
+    typical_epsilon / typical_delta, LOSSY) for the measured drafter: the head, or the n-gram drafter
+    when there is no head. With a head, the n-gram baseline always uses rejection sampling. The report
+    names the rule ("acceptance", "lossless"); under typical acceptance the T = 0 equality check
+    still runs and its mismatches are reported for information, not as a bug.
     Returns the report dict (see report.py for the keys).
     """
     t_start = time.perf_counter()
@@ -174,24 +182,29 @@ def evaluate(target, head, prompts, *, k: int = 5, temperatures=(0.0,), max_new_
     temperatures = [float(t) for t in temperatures] or [0.0]
     stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)
     sampler = sampler or RejectionSampler("auto")
+    check_acceptance(acceptance, typical_epsilon, typical_delta)
+    rule = dict(acceptance=acceptance, typical_epsilon=typical_epsilon, typical_delta=typical_delta)
     items, skipped = _prepare(target, as_prompts(prompts), k, max_new_tokens)
     if not items:
         raise SpecError(f"no prompt fits: {len(skipped)} skipped ({skipped[0]['reason'] if skipped else 'none given'})")
     ngram_drafter = NgramDrafter(max_n=ngram_n) if ngram else None
+    main = "spec" if head is not None else "ngram"
     methods = {}
     if head is not None:
-        methods["spec"] = _Method("spec", target, head, k, sampler, stop_ids)
+        methods["spec"] = _Method("spec", target, head, k, sampler, stop_ids, **rule)
     if baseline:
         methods["plain"] = _Method("plain", target, None, k, sampler, stop_ids)
     if ngram_drafter is not None:
-        methods["ngram"] = _Method("ngram", target, ngram_drafter, k, sampler, stop_ids)
-    main = "spec" if head is not None else "ngram"
+        methods["ngram"] = _Method("ngram", target, ngram_drafter, k, sampler, stop_ids,
+                                   **(rule if main == "ngram" else {}))
     report = {
         "status": "running", "error": None, "target": target.info(), "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device), "drafter": getattr(head, "family", None) if head is not None else "ngram",
         "head_config": _head_summary(head), "k": k, "temperature": temperatures[0], "temperatures": temperatures,
         "top_k": top_k, "top_p": top_p, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
         "seed": seed, "num_prompts": len(items), "skipped": skipped, "runs": [],
+        "acceptance": acceptance_label(acceptance, typical_epsilon, typical_delta),
+        "lossless": acceptance == "rejection",
         "threads": torch.get_num_threads(),
     }
     batches = _batches(items, batch_size)
@@ -360,6 +373,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0, help="row i samples with seed + i")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="rejection sampler")
+    p.add_argument("--acceptance", default="rejection", choices=list(ACCEPTANCE_RULES),
+                   help="verify rule: rejection = lossless rejection sampling (default); typical = Medusa's "
+                        "typical acceptance, LOSSY (more tokens accepted, output no longer the target's "
+                        "distribution at T > 0); the report names it")
+    p.add_argument("--typical-epsilon", type=float, default=TYPICAL_EPSILON,
+                   help=f"typical acceptance: probability floor epsilon (default {TYPICAL_EPSILON})")
+    p.add_argument("--typical-delta", type=float, default=TYPICAL_DELTA,
+                   help=f"typical acceptance: entropy-scaled bar delta (default {TYPICAL_DELTA})")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no equality check)")
     p.add_argument("--no-ngram", action="store_true", help="skip the prompt-lookup baseline")
     p.add_argument("--ngram-n", type=int, default=3, help="longest n-gram the lookup drafter matches")
@@ -386,6 +407,7 @@ def run(args) -> int:
     try:
         if args.k < 1:
             raise SpecError(f"--k must be >= 1, got {args.k}")
+        check_acceptance(args.acceptance, args.typical_epsilon, args.typical_delta)
         prompts: list[EvalPrompt] = []
         for f in args.prompts or []:
             prompts += read_prompt_file(f)
@@ -410,7 +432,9 @@ def run(args) -> int:
                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, baseline=not args.no_baseline,
                           ngram=not args.no_ngram, ngram_n=args.ngram_n,
-                          sampler=RejectionSampler(args.backend), raise_errors=False, progress=True)
+                          sampler=RejectionSampler(args.backend), raise_errors=False, progress=True,
+                          acceptance=args.acceptance, typical_epsilon=args.typical_epsilon,
+                          typical_delta=args.typical_delta)
     except (SpecError, ValueError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
@@ -418,6 +442,9 @@ def run(args) -> int:
     report["prompt_files"] = args.prompts
     paths = write_report(report, out)
     print(format_table(report))
+    if not report["lossless"]:
+        print(f"note: acceptance {report['acceptance']}: the output is not the target's distribution at T > 0; "
+              "T = 0 mismatches are reported, not a bug", file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in paths))
     if report["status"] != "complete":
         print(f"draftkit eval: stopped midway ({report['error']}); the partial report covers what finished",
