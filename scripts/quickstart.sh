@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export WANDB_MODE="${WANDB_MODE:-offline}"
-.venv/bin/deepspeed draftkit/train/run.py recipes/quick.yaml "$@"
+.venv/bin/deepspeed --master_port "${MASTER_PORT:-29500}" draftkit/train/run.py recipes/quick.yaml "$@"
 .venv/bin/draftkit eval --head runs/quick/head --num-synthesized 8 --k 3 --max-new-tokens 64 --out runs/quick/eval
