@@ -6,7 +6,7 @@
 For each k, `draftkit.inference.evaluate` decodes the prompts with the head and plainly, interleaved
 prompt by prompt (so machine load hits both alike), and checks the outputs are identical. Without
 --head the n-gram drafter is measured instead. Prompts: ../shared/data/dev/spec_bench_400.jsonl
-(the first --limit). Prints a table and writes JSON (--out) with tau, alpha_i and speedup per k.
+(--limit of them, spread evenly over the file so every category is in). Prints a table and writes JSON (--out) with tau, alpha_i and speedup per k.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def main() -> None:
     if args.head:
         head = load_head(resolve_head_dir(args.head), target, strict_target=not args.force)
         head.to(dtype=target.dtype).eval()
-    prompts = read_prompt_file(args.prompts)[: args.limit]
+    everything = read_prompt_file(args.prompts)
+    prompts = everything[:: max(1, len(everything) // args.limit)][: args.limit]  # spread over the categories
     rows = []
     print(f"{'k':>2}  {'tau':>5}  {'tok/s':>6}  {'plain':>6}  {'speedup':>7}  {'draft ms':>8}  {'verify ms':>9}  "
           f"{'plain ms':>8}  {'ngram tau':>9}  {'ngram x':>7}  mism  alpha_1..k", flush=True)
