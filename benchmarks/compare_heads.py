@@ -50,6 +50,23 @@ def train(family: str, args, data_overrides: list[str]) -> dict:
     return {"train_seconds": time.time() - t0, "head_dir": str(out / "head"), "final": log[-1]}
 
 
+def fmt(x, spec: str = ".2f", none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's table: one row per family and temperature."""
+    md = ["| head | params | train s | held-out acc | T | τ | α_1..α_k | speedup |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for T, run in r["per_temperature"].items():
+            alphas = " ".join(fmt(a) for a in run["acceptance_per_position"])
+            md.append(f"| {r['family']} | {r['params'] / 1e6:.1f}M | {fmt(r['train_seconds'], '.0f')} | "
+                      f"{fmt(r['heldout_acc'], '.3f')} | {T} | {fmt(run['tau'])} | {alphas} | "
+                      f"{fmt(run['speedup'])}x |")
+    return "\n".join(md) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="+", default=["eagle", "eagle3", "medusa", "mtp"])
@@ -67,7 +84,13 @@ def main() -> None:
     ap.add_argument("--out-dir", default="runs/compare")
     ap.add_argument("--override", nargs="*", default=[], help="extra recipe overrides for every family")
     ap.add_argument("--out", default="benchmarks/results/compare_heads.json")
+    ap.add_argument("--table-only", action="store_true", help="rewrite the .md table from an existing --out JSON")
     args = ap.parse_args()
+    if args.table_only:
+        out = Path(args.out)
+        out.with_suffix(".md").write_text(markdown(json.loads(out.read_text())["rows"]))
+        print(out.with_suffix(".md").read_text())
+        return
 
     base = yaml.safe_load((ROOT / args.base_recipe).read_text())
     data_overrides = flatten("data", base["data"]) + flatten("target", base.get("target") or {})
@@ -106,16 +129,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in vars(args).items() if k not in ("out",)}
     out.write_text(json.dumps({"settings": meta, "rows": rows}, indent=2, default=str))
-    md = ["| head | params | train s | held-out acc | τ (T=0) | α_1..α_k (T=0) | speedup (T=0) |",
-          "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        alphas = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        ts = f"{r['train_seconds']:.0f}" if r["train_seconds"] else "-"
-        acc = f"{r['heldout_acc']:.3f}" if r["heldout_acc"] is not None else "-"
-        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
-        md.append(f"| {r['family']} | {r['params'] / 1e6:.1f}M | {ts} | {acc} | {r['tau']:.2f} | {alphas} | {sp} |")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    md = markdown(rows)
+    out.with_suffix(".md").write_text(md)
+    print(md)
     print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
