@@ -53,6 +53,22 @@ def fit(head, feats, steps: int, lr: float):
     return losses, out
 
 
+LOOP_PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
+
+
+def fit_on_greedy_continuations(target, head, steps: int, lr: float = 2e-2):
+    """Train `head` on the target's own greedy continuations of LOOP_PROMPTS, so drafts get accepted
+    and the loop's roll-back paths run; returns the reference (plain decoding) outputs."""
+    from draftkit.inference.decoder import plain_generate
+
+    ref, _, _ = plain_generate(target, LOOP_PROMPTS, max_new_tokens=16)
+    seqs = torch.tensor([(p + r)[:10] for p, r in zip(LOOP_PROMPTS, ref)])
+    if hasattr(head, "set_draft_vocab"):
+        head.set_draft_vocab(tokens=seqs)
+    fit(head, target.features(seqs, None, head.feature_layers), steps=steps, lr=lr)
+    return ref
+
+
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()

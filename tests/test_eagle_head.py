@@ -4,7 +4,7 @@ import torch
 from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.eagle import EagleHead
 from draftkit.target import FINAL
-from tests.conftest import batch, fit, greedy, make_tiny_target
+from tests.conftest import LOOP_PROMPTS, batch, fit, fit_on_greedy_continuations, greedy, make_tiny_target
 
 
 def test_eagle_feature_is_lm_head_input(tiny_target):
@@ -192,17 +192,8 @@ def test_eagle_draft_vocab_bad_size_and_default_unchanged(tiny_target):
 
 def test_eagle_draft_vocab_greedy_loop_is_lossless(tiny_target):
     from draftkit.inference import decoder as dec
-    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
-    ref, _, _ = dec.plain_generate(tiny_target, prompts, max_new_tokens=16)
     head = build_head({"type": "eagle", "draft_vocab_size": 48}, tiny_target)
-    seqs = torch.tensor([(p + r)[:10] for p, r in zip(prompts, ref)])
-    head.set_draft_vocab(tokens=seqs)
-    feats = tiny_target.features(seqs, None, head.feature_layers)
-    opt = torch.optim.AdamW(head.parameters(), lr=2e-2)
-    for _ in range(20):  # enough to get drafts accepted, so roll-back paths run
-        opt.zero_grad()
-        head.loss(feats)["loss"].backward()
-        opt.step()
-    out, stats = dec.SpecDecoder(tiny_target, head, k=3).generate(prompts, max_new_tokens=16)
+    ref = fit_on_greedy_continuations(tiny_target, head, steps=20)
+    out, stats = dec.SpecDecoder(tiny_target, head, k=3).generate(LOOP_PROMPTS, max_new_tokens=16)
     assert out == ref
     assert stats.tau > 1.2

@@ -5,7 +5,7 @@ from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.medusa import typical_acceptance
 from draftkit.target import FINAL, TargetError
 
-from tests.conftest import batch, greedy
+from tests.conftest import LOOP_PROMPTS, batch, greedy
 
 
 def trained(target, steps=5, **kw):
@@ -140,7 +140,7 @@ def test_medusa_bad_input(tiny_target, tmp_path):
 
 def test_medusa_greedy_loop_is_lossless(tiny_target):
     from draftkit.inference import decoder as dec
-    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
+    prompts = LOOP_PROMPTS
     ref, _, _ = dec.plain_generate(tiny_target, prompts, max_new_tokens=16)
     head = build_head({"type": "medusa"}, tiny_target)  # identity blocks: this target repeats, all accepted
     out, stats = dec.SpecDecoder(tiny_target, head, k=4).generate(prompts, max_new_tokens=16)
@@ -169,7 +169,7 @@ def test_typical_loop_accepts_more_and_is_lossless_only_at_t0(one_thread):
     from draftkit.inference.decoder import SpecDecoder, plain_generate
     from draftkit.inference.sampling import SamplingParams
     target = peaked_target()
-    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
+    prompts = LOOP_PROMPTS
     head = build_head({"type": "medusa"}, target)
     default = SpecDecoder(target, head, k=4)
     assert default.acceptance == "rejection" and default.lossless and default.acceptance_label == "rejection (lossless)"

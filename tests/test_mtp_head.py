@@ -4,7 +4,7 @@ import torch
 from draftkit.heads import HeadError, build_head, load_head
 from draftkit.target import FINAL
 
-from tests.conftest import batch, fit, greedy
+from tests.conftest import LOOP_PROMPTS, batch, fit, fit_on_greedy_continuations, greedy
 
 
 def test_mtp_reads_the_final_norm_output(tiny_target):
@@ -114,17 +114,9 @@ def test_mtp_bad_input(tiny_target, tmp_path):
 
 def test_mtp_greedy_loop_is_lossless(tiny_target):
     from draftkit.inference import decoder as dec
-    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
-    ref, _, _ = dec.plain_generate(tiny_target, prompts, max_new_tokens=16)
     head = build_head({"type": "mtp", "num_depths": 2}, tiny_target)
-    seqs = torch.tensor([(p + r)[:10] for p, r in zip(prompts, ref)])
-    feats = tiny_target.features(seqs, None, head.feature_layers)
-    opt = torch.optim.AdamW(head.parameters(), lr=2e-2)
-    for _ in range(10):  # enough to get drafts accepted, so roll-back paths run
-        opt.zero_grad()
-        head.loss(feats)["loss"].backward()
-        opt.step()
+    ref = fit_on_greedy_continuations(tiny_target, head, steps=10)
     for k in (2, 4):  # k = 4 > num_depths: the last depth chains
-        out, stats = dec.SpecDecoder(tiny_target, head, k=k).generate(prompts, max_new_tokens=16)
+        out, stats = dec.SpecDecoder(tiny_target, head, k=k).generate(LOOP_PROMPTS, max_new_tokens=16)
         assert out == ref
         assert stats.tau > 1.5
