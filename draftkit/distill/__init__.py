@@ -7,13 +7,14 @@
 or all of it, sized to the run, with `prepare_samples`.
 """
 
+from .grounded import GroundedSettings, grounded_prompts
 from .regenerate import Conversation, GenerationSettings, read_cached, regenerate
 from .samples import build_samples, prepare_samples, tokenize_conversation
 from .sources import Prompt, PromptSource, load_prompts
 from .synthesize import SynthesisSettings, magpie_prefix, synthesize_cached, synthesize_prompts
 
 __all__ = [
-    "Conversation", "GenerationSettings", "Prompt", "PromptSource", "SynthesisSettings",
-    "build_samples", "load_prompts", "magpie_prefix", "prepare_samples", "read_cached",
+    "Conversation", "GenerationSettings", "GroundedSettings", "Prompt", "PromptSource", "SynthesisSettings",
+    "build_samples", "grounded_prompts", "load_prompts", "magpie_prefix", "prepare_samples", "read_cached",
     "regenerate", "synthesize_cached", "synthesize_prompts", "tokenize_conversation",
 ]

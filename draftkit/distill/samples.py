@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from .grounded import GroundedSettings, grounded_prompts
 from .regenerate import Conversation, GenerationSettings, chat_ids, end_of_turn_ids, regenerate
 from .sources import Prompt, PromptSource, load_prompts
 from .synthesize import SynthesisSettings, synthesize_cached
@@ -86,6 +87,7 @@ def prepare_samples(
     overlong: str = "truncate",
     generation: GenerationSettings | None = None,
     synthesis: SynthesisSettings | None = None,
+    grounded: GroundedSettings | None = None,
     cache_dir: Path,
     target_id: str,
     seed: int = 0,
@@ -96,13 +98,16 @@ def prepare_samples(
 ) -> tuple[list[dict], list[Prompt], dict]:
     """Prompts -> target responses -> token samples, sized to the run.
 
-    Exactly num_samples + num_holdout prompts are loaded from `sources` (or synthesized from the
-    target, Magpie-style, when `sources` is None). The first num_holdout are held aside for
-    evaluation and never trained on; only the other num_samples are answered by the target.
+    num_plain + num_holdout prompts are loaded from `sources` (or synthesized from the target,
+    Magpie-style, when `sources` is None), num_plain = num_samples minus the grounded share. The
+    first num_holdout are held aside for evaluation and never trained on; the target answers the
+    others, and then the grounded prompts built from those answers (distill/grounded.py).
     Returns (train_samples, holdout_prompts, stats).
     """
     generation = generation or GenerationSettings()
-    need = num_samples + num_holdout
+    grounded = grounded or GroundedSettings()
+    num_grounded = round(num_samples * grounded.fraction)
+    need = num_samples - num_grounded + num_holdout
     if sources:
         prompts = load_prompts(sources, limit=need, seed=seed)
     else:
@@ -110,10 +115,13 @@ def prepare_samples(
                                     Path(cache_dir), target_id=target_id, seed=seed, rank=rank,
                                     world_size=world_size, barrier=barrier, progress=progress)
     holdout, train = prompts[:num_holdout], prompts[num_holdout:]
-    convs = regenerate(model, tokenizer, train, generation, Path(cache_dir), target_id=target_id,
-                       rank=rank, world_size=world_size, barrier=barrier, progress=progress)
+    common = dict(target_id=target_id, rank=rank, world_size=world_size, barrier=barrier, progress=progress)
+    convs = regenerate(model, tokenizer, train, generation, Path(cache_dir), **common)
+    if num_grounded:
+        tasks = grounded_prompts(convs, num_grounded, grounded, seed=seed)
+        convs = convs + regenerate(model, tokenizer, tasks, generation, Path(cache_dir), **common)
     samples, stats = build_samples(tokenizer, convs, max_length, overlong)
-    stats.update(prompts=len(prompts), holdout=len(holdout),
+    stats.update(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
                  responses_truncated=sum(c.truncated for c in convs),
                  response_tokens=sum(c.num_tokens for c in convs),
                  source="synthesized" if not sources else [asdict(s) for s in sources])

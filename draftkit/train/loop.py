@@ -74,7 +74,7 @@ def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -
     train, holdout_prompts, stats = prepare_samples(
         target.model, target.tokenizer, sources=d.sources or None, num_samples=num_samples,
         num_holdout=d.holdout, max_length=d.max_length, overlong=d.overlong, generation=d.responses,
-        synthesis=d.synthesize, seed=recipe.train.seed, **common)
+        synthesis=d.synthesize, grounded=d.grounded, seed=recipe.train.seed, **common)
     if not train:
         raise ValueError(f"data: no training samples left after filtering ({stats})")
     holdout = []

@@ -1,0 +1,77 @@
+"""Prompts grounded in a passage, built from the target's own answers.
+
+Much of what a served model is asked works over text in the prompt: summarize this, answer from
+these documents, translate, rewrite, list the key points. Its answers then reuse that text, and a
+draft head only learns to predict the reuse if it trains on such prompts. Chat prompts alone
+(Magpie's, or most chat sets) are short questions with nothing to draw on. So a share of the
+training prompts (`data.grounded.fraction`) is built here from the responses the target already
+gave to the plain prompts: each such response becomes the passage of a task, and the target then
+answers the task like any other prompt (its answer is what the head learns).
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+from draftkit.schema import ConfigError
+
+from .regenerate import Conversation
+from .sources import Prompt
+
+# {passage}: the earlier response; {question}: the prompt it answered; {language}: a target language.
+TASKS = {
+    "summarize": "Summarize the following text in two or three sentences.\n\n{passage}",
+    "answer": ("Answer the question using the information in the document below.\n\n"
+               "Document: {passage}\n\nQuestion: {question}"),
+    "translate": "Translate the following text into {language}.\n\n{passage}",
+    "rewrite": "Rewrite the following text so that it is clearer and more concise.\n\n{passage}",
+    "key_points": "List the key points of the following text.\n\n{passage}",
+}
+LANGUAGES = ("French", "German", "Spanish", "Italian", "Portuguese")
+
+
+@dataclass
+class GroundedSettings:
+    # Share of the training prompts that are tasks over a passage (0 = none): summarize, answer
+    # from a document, translate, rewrite, list key points. The passages are the target's own
+    # responses to the other prompts; holdout prompts are never used.
+    fraction: float = 0.0
+    # Task names to draw from (keys of draftkit.distill.grounded.TASKS), uniformly.
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    # Responses shorter than this (characters) are not used as passages.
+    min_chars: int = 200
+
+    def __post_init__(self):
+        if not 0.0 <= self.fraction < 1.0:
+            raise ConfigError(f"data.grounded.fraction: expected 0 <= fraction < 1, got {self.fraction}")
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown or not self.tasks:
+            raise ConfigError(f"data.grounded.tasks: unknown {unknown or 'empty list'}; "
+                             f"expected names from {sorted(TASKS)}")
+
+
+def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettings,
+                     seed: int = 0) -> list[Prompt]:
+    """n prompts, each a task over one response of `convs` (each response used at most once
+    while there are unused ones), deterministic in (convs, n, settings, seed)."""
+    passages = [c for c in convs if len(c.response.strip()) >= settings.min_chars]
+    if n <= 0:
+        return []
+    if not passages:
+        raise ValueError(f"data.grounded: no response of the {len(convs)} regenerated is at least "
+                         f"{settings.min_chars} characters long to serve as a passage")
+    rng = random.Random(seed)
+    order = list(range(len(passages)))
+    rng.shuffle(order)
+    out = []
+    for j in range(n):
+        conv = passages[order[j % len(order)]]
+        task = settings.tasks[rng.randrange(len(settings.tasks))]
+        question = next((m["content"] for m in reversed(conv.prompt.messages) if m["role"] == "user"), "")
+        text = TASKS[task].format(passage=conv.response.strip(), question=question.strip(),
+                                  language=LANGUAGES[rng.randrange(len(LANGUAGES))])
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        out.append(Prompt([{"role": "user", "content": text}], f"grounded-{task}",
+                          f"grounded:{task}:{digest}"))
+    return out
