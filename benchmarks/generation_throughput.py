@@ -2,6 +2,11 @@
 
     python benchmarks/generation_throughput.py                      # embedded SmolLM2 GGUF, fp32
     python benchmarks/generation_throughput.py --dtypes fp32 bf16 --model /path/to/hf_dir
+    python benchmarks/generation_throughput.py --dtypes bf16 --batch-sizes 16 64 --num-prompts 128
+
+Each batch size runs with transformers' "sdpa" attention and with draftkit's GQA attention
+(draftkit/attention.py, what draftkit.target loads on CPU), one after the other on the same model
+and prompts, and the table gives their ratio.
 
 Each batch size answers max(batch size, --min-prompts) prompts (capped by --num-prompts), sorted
 by length as `regenerate` does, after one short warm-up call. Prompts come from
@@ -21,12 +26,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftkit.attention import register as register_gqa_attention
 from draftkit.distill import GenerationSettings, PromptSource, load_prompts, synthesize_prompts
 from draftkit.distill.regenerate import chat_ids, generate_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ATTENTION = {"sdpa": lambda: "sdpa", "gqa": register_gqa_attention}
 
 
 def load_target(model_dir: str | None, dtype: torch.dtype, device: str):
@@ -80,6 +87,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION),
+                    help="sdpa: transformers' own; gqa: draftkit's CPU attention without KV-cache copies")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 is "
                     "far faster when other processes share the cores, as spinning threads starve")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "generation_throughput.json"))
@@ -95,15 +104,21 @@ def main() -> None:
         prompts, origin = load_bench_prompts(model, tok, args.num_prompts)
         for bs in args.batch_sizes:
             n = min(len(prompts), max(bs, args.min_prompts))
-            r = {"dtype": name, **run(model, tok, prompts[:n], bs, args.max_new_tokens)}
-            results.append(r)
-            write_json(args, results, origin)
-            print(f"  {name:5s} bs={bs:3d} prompts={r['prompts']:3d} tokens={r['response_tokens']:5d} "
-                  f"truncated={r['truncated']:3d} {r['seconds']:7.1f}s {r['tok_per_s']:7.1f} tok/s", flush=True)
-    print("\n| dtype | batch | prompts | tokens | truncated | s | tok/s |\n|---|---|---|---|---|---|---|")
+            for attention in args.attention:
+                model.set_attn_implementation(ATTENTION[attention]())
+                r = {"dtype": name, "attention": attention, **run(model, tok, prompts[:n], bs, args.max_new_tokens)}
+                results.append(r)
+                write_json(args, results, origin)
+                print(f"  {name:5s} {attention:5s} bs={bs:3d} prompts={r['prompts']:3d} tokens={r['response_tokens']:5d} "
+                      f"truncated={r['truncated']:3d} {r['seconds']:7.1f}s {r['tok_per_s']:7.1f} tok/s", flush=True)
+    print("\n| dtype | attention | batch | prompts | tokens | truncated | s | tok/s | vs sdpa |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['dtype']} | {r['batch_size']} | {r['prompts']} | {r['response_tokens']} | "
-              f"{r['truncated']} | {r['seconds']} | {r['tok_per_s']} |")
+        ref = next((x for x in results if x["attention"] == "sdpa" and x["dtype"] == r["dtype"]
+                    and x["batch_size"] == r["batch_size"]), None)
+        ratio = f"{r['tok_per_s'] / ref['tok_per_s']:.2f}x" if ref else "–"
+        print(f"| {r['dtype']} | {r['attention']} | {r['batch_size']} | {r['prompts']} | {r['response_tokens']} | "
+              f"{r['truncated']} | {r['seconds']} | {r['tok_per_s']} | {ratio} |")
     print(f"wrote {args.out}")
 
 
