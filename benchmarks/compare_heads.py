@@ -50,6 +50,14 @@ def train(family: str, args, data_overrides: list[str]) -> dict:
     return {"train_seconds": time.time() - t0, "head_dir": str(out / "head"), "final": log[-1]}
 
 
+def trained_before(family: str, args) -> dict:
+    """--skip-train: the head already in --out-dir, with the last line of its training log."""
+    out = Path(args.out_dir) / family
+    log = out / "train_log.jsonl"
+    final = json.loads(log.read_text().splitlines()[-1]) if log.is_file() else {}
+    return {"head_dir": str(out / "head"), "final": final, "train_seconds": None}
+
+
 def fmt(x, spec: str = ".2f", none: str = "–") -> str:
     return none if x is None else format(x, spec)
 
@@ -96,8 +104,7 @@ def main() -> None:
     data_overrides = flatten("data", base["data"]) + flatten("target", base.get("target") or {})
     trained = {}
     for family in args.families:
-        trained[family] = ({"head_dir": str(Path(args.out_dir) / family / "head")} if args.skip_train
-                           else train(family, args, data_overrides))
+        trained[family] = trained_before(family, args) if args.skip_train else train(family, args, data_overrides)
 
     from draftkit.heads import load_head
     from draftkit.inference.evaluate import evaluate, read_prompt_file
