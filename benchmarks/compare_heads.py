@@ -46,16 +46,19 @@ def train(family: str, args, data_overrides: list[str]) -> dict:
     res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"})
     if res.returncode != 0:
         raise SystemExit(f"{family}: training failed ({res.returncode}): {' '.join(cmd)}")
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    return {"train_seconds": time.time() - t0, "head_dir": str(out / "head"), "final": log[-1]}
+    return {"train_seconds": time.time() - t0, "head_dir": str(out / "head"), "final": final_log_line(out)}
+
+
+def final_log_line(out: Path) -> dict:
+    """The last line of a run's train_log.jsonl ({} when the run wrote none)."""
+    log = out / "train_log.jsonl"
+    return json.loads(log.read_text().splitlines()[-1]) if log.is_file() else {}
 
 
 def trained_before(family: str, args) -> dict:
     """--skip-train: the head already in --out-dir, with the last line of its training log."""
     out = Path(args.out_dir) / family
-    log = out / "train_log.jsonl"
-    final = json.loads(log.read_text().splitlines()[-1]) if log.is_file() else {}
-    return {"head_dir": str(out / "head"), "final": final, "train_seconds": None}
+    return {"head_dir": str(out / "head"), "final": final_log_line(out), "train_seconds": None}
 
 
 def fmt(x, spec: str = ".2f", none: str = "–") -> str:

