@@ -39,9 +39,9 @@ class GenerationSettings:
     # Nucleus sampling threshold (used when temperature > 0).
     top_p: float = 1.0
     # Prompts per `generate` call (prompts are sorted by length first, so a batch pads little).
-    # SmolLM2-135M bf16 on two idle CPU cores, 64 Magpie prompts, 192 tokens: ~185 / 227 / 307
-    # response tok/s at 16 / 32 / 64 (mixed-length prompts pad more: see
-    # benchmarks/generation_throughput.py); raise it on a GPU. Not part of the cache key.
+    # SmolLM2-135M bf16 on two CPU cores: the recipes' length-sorted batches of 64 ran at ~170
+    # response tok/s (grounded prompts, recipes/eagle.yaml's log); benchmarks/generation_throughput.py
+    # compares batch sizes and attentions in one run. Raise it on a GPU. Not part of the cache key.
     batch_size: int = 16
     # Seed of the sampler (each batch reseeds with seed + batch index). Part of the cache key.
     seed: int = 0
