@@ -8,6 +8,8 @@ Ratios online/target and offline/target are the overhead the issue's goal (<= 1.
 
     python benchmarks/train_throughput.py                       # embedded SmolLM2, bf16 target
     python benchmarks/train_throughput.py --heads "type=eagle" "type=eagle draft_vocab_size=8192"
+    python benchmarks/train_throughput.py --heads "type=eagle3 ttt_steps=3 draft_vocab_size=8192" \
+        "type=eagle3 ttt_steps=3 draft_vocab_size=8192 autocast=bfloat16"   # train.autocast
 Writes JSON (--out, default benchmarks/results/train_throughput.json).
 """
 from __future__ import annotations
@@ -28,8 +30,13 @@ from draftkit.heads import build_head  # noqa: E402
 from draftkit.target import load_target  # noqa: E402
 
 
-def parse_head(text: str) -> dict:
-    return {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in text.split())}
+def parse_head(text: str) -> tuple[dict, torch.dtype | None]:
+    """`type=eagle3 ttt_steps=3 autocast=bfloat16` -> (head settings, autocast dtype or None)."""
+    head = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in text.split())}
+    autocast = head.pop("autocast", "float32")
+    if autocast not in ("float32", "bfloat16"):
+        raise SystemExit(f"--heads {text!r}: autocast must be float32 or bfloat16, got {autocast!r}")
+    return head, torch.bfloat16 if autocast == "bfloat16" else None
 
 
 def main() -> None:
@@ -51,9 +58,10 @@ def main() -> None:
     attn = torch.ones_like(ids)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, args.seq // 4:] = 1  # the last 3/4 are "assistant" tokens
-    heads = {}
+    heads, autocast = {}, {}
     for text in args.heads:
-        head = build_head(parse_head(text), target)
+        settings, autocast[text] = parse_head(text)
+        head = build_head(settings, target)
         if getattr(head.config, "draft_vocab_size", None):
             head.set_draft_vocab(tokens=ids[loss_mask.bool()].tolist() + list(range(target.vocab_size)))
         heads[text] = (head, torch.optim.AdamW(head.parameters(), lr=1e-4))
@@ -64,7 +72,8 @@ def main() -> None:
 
     def head_step(text, feats):
         head, opt = heads[text]
-        out = head.loss(feats)
+        with torch.autocast("cpu", dtype=autocast[text] or torch.float32, enabled=autocast[text] is not None):
+            out = head.loss(feats)
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()
         opt.step()

@@ -86,6 +86,11 @@ class TrainConfig:
     # Target features: "offline" computes them once per sample and reuses them across epochs
     # (cached on disk); "online" recomputes them every step (no disk, more compute).
     features: Literal["offline", "online"] = "offline"
+    # Precision of the head's forward and backward matmuls (torch.autocast); weights, gradients and
+    # AdamW stay fp32. "auto" = bfloat16 where the device multiplies bf16 natively (a CUDA GPU with
+    # bf16, a CPU with AMX or AVX512-BF16: several times faster than fp32 there), else float32.
+    # DeepSpeed's own `bf16` section (GPU only) also keeps the weights in bf16.
+    autocast: Literal["auto", "bfloat16", "float32"] = "float32"
     # Save a checkpoint every N steps (0 = only at the end).
     save_every: int = 200
     # Keep this many most recent checkpoints.

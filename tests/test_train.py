@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from draftkit.config import load_recipe
 from draftkit.schema import ConfigError
 from draftkit.train.data import FeatureStore, SampleOrder
-from draftkit.train.deepspeed_config import build_deepspeed_config, lr_lambda
+from draftkit.train.deepspeed_config import build_deepspeed_config, head_autocast, lr_lambda
 from tests.conftest import make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,8 +115,48 @@ def test_deepspeed_section_is_deepspeeds_own_schema(tmp_path):
     with pytest.raises(ConfigError, match="train_batch_size=7"):
         build_deepspeed_config(r, world_size=1, on_cuda=False)
     r = load_recipe(None, ["deepspeed={bf16: {enabled: true}}"])
-    with pytest.raises(ConfigError, match="deepspeed.bf16.enabled: needs a GPU"):
+    with pytest.raises(ConfigError, match="deepspeed.bf16.enabled: needs a GPU; on CPU set train.autocast"):
         build_deepspeed_config(r, world_size=1, on_cuda=False)
+
+
+def test_autocast_setting_resolves_per_device(monkeypatch):
+    cpu = torch.device("cpu")
+    for value, want in (("float32", None), ("bfloat16", torch.bfloat16)):
+        assert head_autocast(load_recipe(None, [f"train.autocast={value}"]).train, cpu) is want
+    auto = load_recipe(None, ["train.autocast=auto"]).train
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: False)
+    assert head_autocast(auto, cpu) is None  # no native bf16: fp32 (emulated bf16 is slower)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert head_autocast(auto, cpu) is torch.bfloat16
+    with pytest.raises(ConfigError, match="train.autocast"):
+        load_recipe(None, ["train.autocast=fp8"])
+
+
+def test_autocast_runs_head_matmuls_in_bf16_and_keeps_fp32_weights_and_grads():
+    from draftkit.heads import build_head
+    from draftkit.train.loop import TrainWrapper
+
+    target = make_tiny_target()
+    torch.manual_seed(0)
+    head = build_head({"type": "eagle3", "ttt_steps": 2}, target)
+    ids = torch.randint(3, target.vocab_size, (2, 12))
+    feats = target.features(ids, None, head.feature_layers)
+    seen = []
+    head.fc.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    plain = TrainWrapper(head)(feats)
+    plain["loss"].backward()
+    grads = {n: p.grad.clone() for n, p in head.named_parameters()}
+    head.zero_grad()
+    mixed = TrainWrapper(head, torch.bfloat16)(feats)
+    mixed["loss"].backward()
+    assert seen == [torch.float32, torch.bfloat16]
+    assert mixed["loss"].dtype == torch.float32 and mixed["loss"] != plain["loss"]  # bf16 really ran
+    torch.testing.assert_close(mixed["loss"], plain["loss"], rtol=0.05, atol=0.05)
+    for name, p in head.named_parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+        cos = torch.nn.functional.cosine_similarity(p.grad.flatten(), grads[name].flatten(), dim=0)
+        assert cos > 0.95, (name, float(cos))
 
 
 def test_warmup_then_cosine_to_min_ratio():
@@ -212,7 +252,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tiny_model_dir, prom
 def test_deepspeed_launcher_two_processes(tiny_model_dir, prompt_file, tmp_path, stage):
     args = recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache", "train.max_steps=3",
                        "train.log_every=3", "train.eval_every=3", "train.eval_k=2", "train.eval_max_new_tokens=8",
-                       f"deepspeed={{zero_optimization: {{stage: {stage}}}}}")
+                       f"deepspeed={{zero_optimization: {{stage: {stage}}}}}", "train.autocast=bfloat16")
     res = launch([str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(29500 + stage),
                   "draftkit/train/run.py", "recipes/quick.yaml", *args], timeout=400)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
@@ -223,7 +263,8 @@ def test_deepspeed_launcher_two_processes(tiny_model_dir, prompt_file, tmp_path,
     head = load_head(tmp_path / "run" / "head", target)
     weights = head_weights(tmp_path / "run")
     assert weights["fc.weight"].shape == (32, 64) and weights["fc.weight"].abs().sum() > 0
-    assert json.loads((tmp_path / "run" / "head" / "config.json").read_text())["target"]["fingerprint"] == target.fingerprint
+    cfg = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
+    assert cfg["target"]["fingerprint"] == target.fingerprint and cfg["head_autocast"] == "bfloat16"
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 3 and "heldout_acc" in log[-1]
     assert 1.0 <= log[-1]["tau"] <= 3.0 and len([k for k in log[-1] if k.startswith("alpha_")]) == 2

@@ -33,8 +33,8 @@ def build_deepspeed_config(recipe: Recipe, world_size: int, on_cuda: bool) -> di
     if not on_cuda:
         for key in ("bf16", "fp16"):  # mixed precision engines need an accelerator
             if ds.get(key, {}).get("enabled"):
-                raise ConfigError(f"deepspeed.{key}.enabled: needs a GPU; on CPU the head trains in fp32 "
-                                  "(the frozen target still runs in target.dtype)")
+                raise ConfigError(f"deepspeed.{key}.enabled: needs a GPU; on CPU set train.autocast: bfloat16 "
+                                  "(fp32 weights, bf16 matmuls) or leave the head in fp32")
     ds.setdefault("steps_per_print", 10 ** 9)  # our progress bar reports; keep DeepSpeed quiet
     ds.setdefault("zero_allow_untested_optimizer", True)
     return ds
@@ -58,9 +58,18 @@ def make_scheduler(t: TrainConfig):
     return lambda optimizer: LambdaLR(optimizer, lr_lambda(t))
 
 
-def autocast_dtype(ds: dict) -> torch.dtype:
-    if ds.get("bf16", {}).get("enabled"):
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 natively (autocast to bf16 is then faster than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch.cpu's own checks
+        return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+    return False
+
+
+def head_autocast(t: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The dtype the head's forward/backward runs under torch.autocast, or None for plain fp32."""
+    if t.autocast == "bfloat16" or (t.autocast == "auto" and native_bf16(device)):
         return torch.bfloat16
-    if ds.get("fp16", {}).get("enabled"):
-        return torch.float16
-    return torch.float32
+    return None

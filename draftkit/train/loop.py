@@ -21,7 +21,7 @@ from draftkit.heads import DraftHead, build_head
 from draftkit.target import Target, cache_root, load_target
 from draftkit.train import checkpoint
 from draftkit.train.data import FeatureStore, SampleOrder
-from draftkit.train.deepspeed_config import build_deepspeed_config, make_scheduler
+from draftkit.train.deepspeed_config import build_deepspeed_config, head_autocast, make_scheduler
 from draftkit.train.distributed import Dist, any_true, barrier, init_distributed, mean_across
 
 log = logging.getLogger("draftkit.train")
@@ -33,14 +33,17 @@ class NonFiniteLoss(RuntimeError):
 
 
 class TrainWrapper(torch.nn.Module):
-    """What DeepSpeed drives: forward(features) = head.loss(features)."""
+    """What DeepSpeed drives: forward(features) = head.loss(features), under autocast when asked."""
 
-    def __init__(self, head: DraftHead):
+    def __init__(self, head: DraftHead, autocast: torch.dtype | None = None):
         super().__init__()
         self.head = head
+        self.autocast = autocast
 
     def forward(self, features):
-        return self.head.loss(features)
+        device = next(self.head.parameters()).device.type
+        with torch.autocast(device, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            return self.head.loss(features)
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Trainer:
         self.micro = self.ds_config["train_micro_batch_size_per_gpu"]
         self.accum = self.ds_config["gradient_accumulation_steps"]
         self.global_batch = self.micro * self.accum * self.dist.world_size
+        self.autocast = head_autocast(recipe.train, self.dist.device)
         self.recipe_hash = recipe.fingerprint()
         self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer is not None else 0
         self.pad_id = 0 if self.pad_id is None else self.pad_id
@@ -126,8 +130,11 @@ class Trainer:
 
         params = [p for p in self.head.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=TrainWrapper(self.head), model_parameters=params, config=self.ds_config,
+            model=TrainWrapper(self.head, self.autocast), model_parameters=params, config=self.ds_config,
             lr_scheduler=make_scheduler(self.recipe.train))
+        if self.main:
+            log.info("head: fp32 weights, %s matmuls (train.autocast: %s)",
+                     str(self.autocast or torch.float32).replace("torch.", ""), self.recipe.train.autocast)
 
     def resume(self) -> int:
         r = self.recipe.train
@@ -259,7 +266,8 @@ class Trainer:
 
     def _save_head(self, head_dir: Path) -> None:
         extra = {"recipe_hash": self.recipe_hash, "train_steps": self.recipe.train.max_steps,
-                 "training_dtype": str(self.target.dtype).replace("torch.", "")}
+                 "training_dtype": str(self.target.dtype).replace("torch.", ""),
+                 "head_autocast": str(self.autocast or torch.float32).replace("torch.", "")}
         self.head.save_pretrained(head_dir, extra=extra)
         log.info("exported head to %s", head_dir)
 
