@@ -8,6 +8,7 @@ T = 0 and T = 0.7: parameters, training time, τ, α_1..α_k, speedup.
 
     python benchmarks/compare_heads.py                               # the CPU-hour setting
     python benchmarks/compare_heads.py --max-steps 200 --limit 8      # a quick look
+    python benchmarks/compare_heads.py --heads eagle=runs/eagle/head eagle3=runs/eagle3/head   # trained heads
 Writes benchmarks/results/compare_heads.json and .md (the README's table).
 """
 from __future__ import annotations
@@ -55,10 +56,22 @@ def final_log_line(out: Path) -> dict:
     return json.loads(log.read_text().splitlines()[-1]) if log.is_file() else {}
 
 
-def trained_before(family: str, args) -> dict:
-    """--skip-train: the head already in --out-dir, with the last line of its training log."""
-    out = Path(args.out_dir) / family
-    return {"head_dir": str(out / "head"), "final": final_log_line(out), "train_seconds": None}
+def trained_before(head_dir: Path) -> dict:
+    """A head trained earlier (<run>/head), with the last line of its run's training log."""
+    return {"head_dir": str(head_dir), "final": final_log_line(head_dir.parent), "train_seconds": None}
+
+
+def parse_heads(items: list[str]) -> dict[str, Path]:
+    """--heads NAME=DIR ... -> {name: head dir}."""
+    heads = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--heads: expected NAME=HEAD_DIR, got {item!r}")
+        if not (Path(path) / "config.json").is_file():
+            raise SystemExit(f"--heads {name}: no head at {path} (config.json missing)")
+        heads[name] = Path(path)
+    return heads
 
 
 def fmt(x, spec: str = ".2f", none: str = "–") -> str:
@@ -72,7 +85,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         for T, run in r["per_temperature"].items():
             alphas = " ".join(fmt(a) for a in run["acceptance_per_position"])
-            md.append(f"| {r['family']} | {r['params'] / 1e6:.1f}M | {fmt(r['train_seconds'], '.0f')} | "
+            md.append(f"| {r.get('name', r['family'])} | {r['params'] / 1e6:.1f}M | {fmt(r['train_seconds'], '.0f')} | "
                       f"{fmt(r['heldout_acc'], '.3f')} | {T} | {fmt(run['tau'])} | {alphas} | "
                       f"{fmt(run['speedup'])}x |")
     return "\n".join(md) + "\n"
@@ -91,7 +104,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=16, help="eval prompts")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--skip-train", action="store_true", help="evaluate heads already in --out-dir")
+    ap.add_argument("--skip-train", action="store_true", help="evaluate heads already in --out-dir/<family>")
+    ap.add_argument("--heads", nargs="+", default=None, metavar="NAME=DIR",
+                    help="evaluate these trained heads (e.g. the recipes' runs) instead of training")
     ap.add_argument("--out-dir", default="runs/compare")
     ap.add_argument("--override", nargs="*", default=[], help="extra recipe overrides for every family")
     ap.add_argument("--out", default="benchmarks/results/compare_heads.json")
@@ -105,9 +120,11 @@ def main() -> None:
 
     base = yaml.safe_load((ROOT / args.base_recipe).read_text())
     data_overrides = flatten("data", base["data"]) + flatten("target", base.get("target") or {})
-    trained = {}
-    for family in args.families:
-        trained[family] = trained_before(family, args) if args.skip_train else train(family, args, data_overrides)
+    if args.heads:
+        trained = {name: trained_before(path) for name, path in parse_heads(args.heads).items()}
+    else:
+        trained = {family: trained_before(Path(args.out_dir) / family / "head") if args.skip_train
+                   else train(family, args, data_overrides) for family in args.families}
 
     from draftkit.heads import load_head
     from draftkit.inference.evaluate import evaluate, read_prompt_file
@@ -118,15 +135,16 @@ def main() -> None:
         raise SystemExit(f"needs the dev prompts at {DEV_PROMPTS} (benchmarks may read ../shared/data)")
     prompts = read_prompt_file(DEV_PROMPTS)[:: max(1, 400 // args.limit)][: args.limit]  # every category
     rows = []
-    for family in args.families:
-        head = load_head(trained[family]["head_dir"], target).to(target.dtype).eval()
+    for name, run in trained.items():
+        head = load_head(run["head_dir"], target).to(target.dtype).eval()
         rep = evaluate(target, head, prompts, k=min(args.k, head.max_draft_tokens or args.k),
                        temperatures=args.temperatures, max_new_tokens=args.max_new_tokens, baseline=True,
                        ngram=False)
-        row = {"family": family, "params": sum(p.numel() for p in head.parameters()),
-               "train_seconds": trained[family].get("train_seconds"),
-               "final_train_acc": trained[family].get("final", {}).get("acc"),
-               "heldout_acc": trained[family].get("final", {}).get("heldout_acc"),
+        row = {"name": name, "family": head.family, "head_dir": run["head_dir"],
+               "params": sum(p.numel() for p in head.parameters()),
+               "train_seconds": run.get("train_seconds"),
+               "final_train_acc": run.get("final", {}).get("acc"),
+               "heldout_acc": run.get("final", {}).get("heldout_acc"),
                "per_temperature": {r["temperature"]: {"tau": r.get("tau"), "speedup": r.get("speedup"),
                                                       "acceptance_per_position": r.get("acceptance_per_position")}
                                    for r in rep["runs"]},

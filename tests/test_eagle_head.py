@@ -197,3 +197,28 @@ def test_eagle_draft_vocab_greedy_loop_is_lossless(tiny_target):
     out, stats = dec.SpecDecoder(tiny_target, head, k=3).generate(LOOP_PROMPTS, max_new_tokens=16)
     assert out == ref
     assert stats.tau > 1.2
+
+def test_eagle_feature_noise_perturbs_inputs_only_and_only_in_training(tiny_target):
+    """The reference's U(-a, a) augmentation: on the input features, not on the regression target."""
+    torch.manual_seed(0)
+    noisy = build_head({"type": "eagle", "feature_noise": 0.1}, tiny_target)
+    clean = build_head({"type": "eagle"}, tiny_target)
+    clean.load_state_dict(noisy.state_dict())
+    ids, attn, lm = batch(tiny_target)
+    feats = tiny_target.features(ids, attn, noisy.feature_layers, lm)
+    seen = {}
+    noisy.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], pred=out))
+    out = noisy.loss(feats)
+    delta = seen["x"] - feats.hidden[:, :-1].float()
+    assert 0.05 < delta.abs().max() <= 0.1 and delta.std() > 0.03  # really U(-0.1, 0.1)
+    # the feature loss compares the prediction with the CLEAN next features
+    valid = attn[:, 1:].bool() & attn[:, :-1].bool()
+    sup = torch.zeros_like(valid)
+    sup[:, :-1] = lm[:, 2:].bool() & valid[:, :-1]
+    want = torch.nn.functional.smooth_l1_loss(seen["pred"][sup], feats.hidden[:, 1:][sup].float())
+    torch.testing.assert_close(out["feat_loss"], want)
+    assert noisy.loss(feats)["loss"] != out["loss"]  # fresh noise every step
+    noisy.eval()  # eval: no noise, the same as a head without it
+    torch.testing.assert_close(noisy.loss(feats)["loss"], clean.loss(feats)["loss"], rtol=0, atol=0)
+    with pytest.raises(HeadError, match="head.feature_noise"):
+        build_head({"type": "eagle", "feature_noise": -0.1}, tiny_target)

@@ -48,6 +48,11 @@ class EagleConfig(HeadConfig):
     # None = the full target vocabulary. vLLM / SGLang EAGLE-1 cannot serve a draft vocabulary
     # (draftkit export refuses, or drops it with --full-vocab).
     draft_vocab_size: int | None = None
+    # Training-time noise on the input features: f_t + U(-a, a), the EAGLE reference's data
+    # augmentation (its "uniform, std 0.2" scaled by 512 / length: +-0.1 on its 512-token samples),
+    # so the head learns to continue from its own imperfect features when drafting. The
+    # regression target stays clean; off in eval mode. 0 = off.
+    feature_noise: float = 0.0
 
 
 class EagleHead(DraftVocab, DraftHead):
@@ -75,6 +80,8 @@ class EagleHead(DraftVocab, DraftHead):
             raise HeadError(f"head.feature_layers: EAGLE reads exactly one layer, got {config.feature_layers}")
         if config.num_layers < 1:
             raise HeadError(f"head.num_layers: must be >= 1, got {config.num_layers}")
+        if config.feature_noise < 0:
+            raise HeadError(f"head.feature_noise: the half-width of uniform noise must be >= 0, got {config.feature_noise}")
         if config.draft_vocab_size is not None:
             check_draft_vocab_size(config.draft_vocab_size, target)
 
@@ -113,7 +120,10 @@ class EagleHead(DraftVocab, DraftHead):
         B, T, _ = f.shape
         valid = attn[:, 1:] & attn[:, :-1]  # (B, T-1) both ends of each pair real
         positions = torch.arange(T - 1, device=f.device).expand(B, -1)
-        pred = self(f[:, :-1], ids[:, 1:], positions, causal_mask(valid))  # (B, T-1, H) f̂_{t+1}
+        inputs = f[:, :-1]
+        if self.training and self.config.feature_noise > 0:  # the reference's augmentation; targets stay clean
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * self.config.feature_noise
+        pred = self(inputs, ids[:, 1:], positions, causal_mask(valid))  # (B, T-1, H) f̂_{t+1}
         # Position t is supervised when x_{t+2} is a loss token (an assistant token).
         lm = features.loss_mask if features.loss_mask is not None else attn.long()
         sup = torch.zeros_like(valid)
