@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftkit.heads import build_head  # noqa: E402
 from draftkit.target import load_target  # noqa: E402
+from draftkit.train.loop import TrainWrapper  # noqa: E402
 
 
 def parse_head(text: str) -> tuple[dict, torch.dtype | None]:
@@ -72,8 +73,7 @@ def main() -> None:
 
     def head_step(text, feats):
         head, opt = heads[text]
-        with torch.autocast("cpu", dtype=autocast[text] or torch.float32, enabled=autocast[text] is not None):
-            out = head.loss(feats)
+        out = TrainWrapper(head, autocast[text])(feats)  # the trainer's own forward (train.autocast)
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()
         opt.step()
