@@ -188,6 +188,24 @@ class DraftHead(nn.Module):
         """Largest k the head supports (None = unbounded)."""
         return None
 
+    # ---- tree drafting (draftkit.inference.tree) ----
+    # A family drafts trees by providing tree_root (consume the confirmed positions, return the
+    # root's state (B, H)), tree_logp(hidden (B, m, H), depth) -> (B, m, V) log-probs of the
+    # children, and tree_step(state, parent hidden, tokens, depth, visible) -> (B, m, H), which
+    # feeds frontier nodes into the head's cache with the tree mask.
+    max_tree_depth: int | None = None
+
+    @torch.no_grad()
+    def draft_tree(self, state: Any, feats: Tensor, next_tokens: Tensor, valid: Tensor, shape):
+        """EAGLE-2 dynamic tree of `shape` (TreeShape) after the newest confirmed token."""
+        from draftkit.inference.tree import grow_tree  # inference imports heads, not the reverse at load
+
+        if self.max_tree_depth is not None and shape.depth > self.max_tree_depth:
+            raise HeadError(f"{self.family} head drafts trees up to depth {self.max_tree_depth}, asked for {shape.depth}")
+        root = self.tree_root(state, feats, next_tokens, valid)
+        return grow_tree(root, self.tree_logp,
+                         lambda h, tokens, depth, visible: self.tree_step(state, h, tokens, depth, visible), shape)
+
     # ---- save / load ----
     @classmethod
     def from_pretrained(cls, directory: str | Path, target=None, **kwargs) -> "DraftHead":

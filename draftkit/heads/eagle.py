@@ -172,26 +172,31 @@ class EagleHead(DraftVocab, DraftHead):
                           torch.zeros(batch_size, dtype=torch.long, device=dev))
 
     def _step(self, state: ChainState, feats: Tensor, ids: Tensor, valid: Tensor, positions: Tensor) -> Tensor:
-        state.slot_valid = torch.cat([state.slot_valid, valid.bool()], dim=1)
-        mask = cached_mask(state.slot_valid, ids.shape[1])
-        return self(feats, ids, positions, mask, state.kv)
+        return self(feats, ids, positions, state.feed(valid), state.kv)
 
-    @torch.no_grad()
-    def draft(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
-              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+    def _consume(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
+        """Drop last call's speculation, feed the newly confirmed (feature, next token) pairs (B, n);
+        returns (B, H) f̂ after each row's newest token."""
         state.drop_speculation()
-        # 1. Consume the newly confirmed (feature, next token) pairs: (B, n).
         positions = state.next_pos[:, None] + valid.long().cumsum(1) - 1
         out = self._step(state, feats, next_tokens, valid, positions.clamp(min=0))
         state.confirmed += valid.shape[1]
         state.next_pos = state.next_pos + valid.long().sum(1)
-        h = last_valid(out, valid)  # (B, H) f̂ after the newest token
-        # 2. Chain k drafts, feeding each predicted feature and drafted token back in.
+        return last_valid(out, valid)
+
+    def _logits(self, h: Tensor) -> Tensor:
+        """(..., H) -> (..., V) float32 over the target vocabulary (-inf off the draft vocabulary)."""
+        return self.to_target_logits(self.draft_logits(h)) if self.has_draft_vocab else self.target_logits(h)
+
+    @torch.no_grad()
+    def draft(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
+              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+        h = self._consume(state, feats, next_tokens, valid)  # (B, H)
+        # Chain k drafts, feeding each predicted feature and drafted token back in.
         tokens, probs = [], []
         ones = torch.ones(h.shape[0], 1, dtype=torch.bool, device=h.device)
         for i in range(k):
-            logits = self.to_target_logits(self.draft_logits(h)) if self.has_draft_vocab else self.target_logits(h)
-            tok, prob = sample(logits)  # (B,), (B, V) | None; -inf off the draft vocabulary
+            tok, prob = sample(self._logits(h))  # (B,), (B, V) | None; -inf off the draft vocabulary
             tokens.append(tok)
             probs.append(prob)
             if i + 1 < k:
@@ -199,3 +204,14 @@ class EagleHead(DraftVocab, DraftHead):
                 h = self._step(state, h[:, None], tok[:, None], ones, pos)[:, 0]
         draft_probs = None if probs[0] is None else torch.stack(probs, 1)
         return torch.stack(tokens, 1), draft_probs
+
+    # ---- tree drafting (DraftHead.draft_tree grows the tree from these) ----
+    def tree_root(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
+        return self._consume(state, feats, next_tokens, valid)
+
+    def tree_logp(self, h: Tensor, depth: int) -> Tensor:
+        return torch.log_softmax(self._logits(h), dim=-1)
+
+    def tree_step(self, state: ChainState, parent_h: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
+        positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)
+        return self(parent_h, tokens, positions, state.feed_tree(visible), state.kv)

@@ -187,20 +187,24 @@ class Eagle3Head(DraftVocab, DraftHead):
                           torch.zeros(batch_size, dtype=torch.long, device=dev))
 
     def _step(self, state: ChainState, hidden: Tensor, ids: Tensor, valid: Tensor, positions: Tensor) -> Tensor:
-        state.slot_valid = torch.cat([state.slot_valid, valid.bool()], dim=1)
-        return self(hidden, ids, positions, cached_mask(state.slot_valid, ids.shape[1]), state.kv[0])
+        return self(hidden, ids, positions, state.feed(valid), state.kv[0])
 
-    @torch.no_grad()
-    def draft(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
-              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+    def _consume(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
+        """Drop last call's speculation, feed the newly confirmed (fused feature, next token) pairs
+        (B, n); returns (B, H) o after each row's newest token."""
         state.drop_speculation()
-        # 1. Consume the newly confirmed (fused feature, next token) pairs: (B, n).
         positions = state.next_pos[:, None] + valid.long().cumsum(1) - 1
         g = self.fc(feats.to(self.fc.weight.dtype))  # (B, n, H)
         o = last_valid(self._step(state, g, next_tokens, valid, positions.clamp(min=0)), valid)  # (B, H)
         state.confirmed += valid.shape[1]
         state.next_pos = state.next_pos + valid.long().sum(1)
-        # 2. Chain k drafts over the draft vocabulary, mapped back to target ids before sampling.
+        return o
+
+    @torch.no_grad()
+    def draft(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
+              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+        o = self._consume(state, feats, next_tokens, valid)
+        # Chain k drafts over the draft vocabulary, mapped back to target ids before sampling.
         tokens, probs = [], []
         ones = torch.ones(o.shape[0], 1, dtype=torch.bool, device=o.device)
         for i in range(k):
@@ -210,3 +214,14 @@ class Eagle3Head(DraftVocab, DraftHead):
             if i + 1 < k:
                 o = self._step(state, o[:, None], tok[:, None], ones, (state.next_pos + i)[:, None])[:, 0]
         return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
+
+    # ---- tree drafting (DraftHead.draft_tree grows the tree from these) ----
+    def tree_root(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
+        return self._consume(state, feats, next_tokens, valid)
+
+    def tree_logp(self, o: Tensor, depth: int) -> Tensor:
+        return torch.log_softmax(self.to_target_logits(self.logits(o)), dim=-1)
+
+    def tree_step(self, state: ChainState, parent_o: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
+        positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)
+        return self(parent_o, tokens, positions, state.feed_tree(visible), state.kv[0])

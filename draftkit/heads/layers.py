@@ -159,6 +159,20 @@ class ChainState:
             layer.truncate(self.confirmed)
         self.slot_valid = self.slot_valid[:, : self.confirmed]
 
+    def feed(self, valid: Tensor) -> Tensor:
+        """Append slots for (B, n) entries (valid marks real ones): their (B, 1, n, S) causal mask."""
+        self.slot_valid = torch.cat([self.slot_valid, valid.bool()], dim=1)
+        return cached_mask(self.slot_valid, valid.shape[1])
+
+    def feed_tree(self, visible: Tensor) -> Tensor:
+        """Append m speculative tree slots; visible (B, m, n_spec + m) = which speculative slots of
+        this tree each sees (its ancestors and itself). Returns their (B, 1, m, S) mask: the
+        confirmed valid slots plus those."""
+        B, m, _ = visible.shape
+        conf = self.slot_valid[:, : self.confirmed]  # (B, C)
+        self.slot_valid = torch.cat([self.slot_valid, visible.new_ones(B, m)], dim=1)
+        return torch.cat([conf[:, None, :].expand(B, m, -1), visible], dim=2)[:, None]
+
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)

@@ -135,21 +135,40 @@ class MedusaHead(DraftHead):
     def new_draft_state(self, batch_size: int) -> MedusaState:
         return MedusaState()
 
+    def _consume(self, state: MedusaState, feats: Tensor, valid: Tensor) -> Tensor:
+        """(B, H) feature of the position whose next token is the newest (rows that send none keep theirs)."""
+        f = last_valid(feats, valid)
+        if state.last is not None:
+            f = torch.where(valid.any(1, keepdim=True), f, state.last)
+        state.last = f
+        return f
+
     @torch.no_grad()
     def draft(self, state: MedusaState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
               sample: SampleFn) -> tuple[Tensor, Tensor | None]:
         if not 1 <= k <= self.config.num_heads:
             raise HeadError(f"Medusa drafts 1..{self.config.num_heads} tokens (head.num_heads), asked for k={k}")
-        f = last_valid(feats, valid)  # (B, H) feature of the position whose next token is x_new
-        if state.last is not None:
-            f = torch.where(valid.any(1, keepdim=True), f, state.last)
-        state.last = f
+        f = self._consume(state, feats, valid)
         tokens, probs = [], []
         for i in range(k):
             tok, prob = sample(self.head_logits(i, f))  # (B,), (B, V) | None
             tokens.append(tok)
             probs.append(prob)
         return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
+
+    # ---- tree drafting: Medusa's tree is its heads' top-k at each depth, pruned by path score ----
+    @property
+    def max_tree_depth(self) -> int:
+        return self.config.num_heads
+
+    def tree_root(self, state: MedusaState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
+        return self._consume(state, feats, valid)
+
+    def tree_logp(self, f: Tensor, depth: int) -> Tensor:
+        return torch.log_softmax(self.head_logits(depth - 1, f), dim=-1)  # head d-1 guesses depth d
+
+    def tree_step(self, state: MedusaState, parent_f: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
+        return parent_f  # no cache: every node reads the same feature f
 
 
 def typical_acceptance(draft_tokens: Tensor, target_probs: Tensor, epsilon: float = 0.09,

@@ -158,16 +158,15 @@ class MTPHead(DraftHead):
         return MTPState(chains, pending, [zeros.bool() for _ in self.layers], zeros)
 
     def _step(self, chain: ChainState, d: int, hidden: Tensor, ids: Tensor, ok: Tensor, positions: Tensor) -> Tensor:
-        chain.slot_valid = torch.cat([chain.slot_valid, ok.bool()], dim=1)
-        return self(d, hidden, ids, positions, cached_mask(chain.slot_valid, ids.shape[1]), chain.kv[0])
+        return self(d, hidden, ids, positions, chain.feed(ok), chain.kv[0])
 
-    @torch.no_grad()
-    def draft(self, state: MTPState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
-              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+    def _consume(self, state: MTPState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
+        """Drop last call's speculation, feed the confirmed entries to every depth; returns (B, H)
+        depth 0's output at each row's newest index."""
         state.drop_speculation()
         D, (B, n) = len(self.layers), valid.shape
         rows = torch.arange(B, device=valid.device)
-        # 1. Consume the confirmed entries, each row's valid ones packed to the front: (B, n).
+        # each row's valid entries packed to the front: (B, n)
         order = torch.sort((~valid.bool()).long(), dim=1, stable=True).indices
         idx = (rows[:, None], order)
         feats, tokens, valid = feats[idx], next_tokens[idx], valid.bool()[idx]
@@ -186,6 +185,13 @@ class MTPHead(DraftHead):
         for chain in state.chains:
             chain.confirmed = chain.slot_valid.shape[1]
         state.next_pos = state.next_pos + valid.long().sum(1)
+        return o
+
+    @torch.no_grad()
+    def draft(self, state: MTPState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
+              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+        D, B = len(self.layers), valid.shape[0]
+        o = self._consume(state, feats, next_tokens, valid)
         # 2. Draft j comes from depth j, which first takes its j speculative entries (indices t-j+1..t,
         #    tokens = drafts 0..j-1); past the last depth, module D-1 chains on its own output.
         spec, drafts, probs = o[:, None][:, :0], [], []  # spec: (B, j, H) depth j-1's speculative outputs
@@ -204,3 +210,22 @@ class MTPHead(DraftHead):
             drafts.append(tok)
             probs.append(prob)
         return torch.stack(drafts, 1), None if probs[0] is None else torch.stack(probs, 1)
+
+    # ---- tree drafting (DraftHead.draft_tree grows the tree from these) ----
+    @property
+    def max_tree_depth(self) -> int | None:
+        """Trees deeper than 1 need depth d's module over each node's own path: D = 1 only
+        (the chain past the last depth is EAGLE-like, so any depth works there)."""
+        return None if len(self.layers) == 1 else 1
+
+    def tree_root(self, state: MTPState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
+        return self._consume(state, feats, next_tokens, valid)
+
+    def tree_logp(self, h: Tensor, depth: int) -> Tensor:
+        return torch.log_softmax(self.logits(len(self.layers) - 1 if depth > 1 else 0, h), dim=-1)
+
+    def tree_step(self, state: MTPState, parent_h: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
+        D = len(self.layers)  # == 1 (max_tree_depth): the last module chains on its own output
+        chain = state.chains[D - 1]
+        positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)
+        return self(D - 1, parent_h, tokens, positions, chain.feed_tree(visible), chain.kv[0])

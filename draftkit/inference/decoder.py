@@ -50,8 +50,12 @@ from draftkit import prompts
 from draftkit.heads.medusa import typical_acceptance
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams, exponential, logits_to_probs, make_generators
+from draftkit.inference.tree import SOURCE_HEAD, SOURCE_LOOKUP, DraftTree, TreeShape, accept_tree, tree_noise
 from draftkit.target import FINAL
 
+
+
+SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_LOOKUP: "lookup", SOURCE_HEAD | SOURCE_LOOKUP: "both"}
 
 
 class SpecError(ValueError):
@@ -87,6 +91,8 @@ class SpecStats:
     reached: list[int] = field(default_factory=list)
     # ... and that accepted it. alpha_i = accepted_at[i] / reached[i] (conditional acceptance).
     accepted_at: list[int] = field(default_factory=list)
+    # accepted drafts by where they came from: "head", "lookup", "both" (a node both proposed)
+    accepted_by_source: dict = field(default_factory=dict)
     prefill_s: float = 0.0
     draft_s: float = 0.0  # time in head.draft (incl. consuming the confirmed features)
     verify_s: float = 0.0  # target forward + lm_head + rejection sampler + cache roll-back
@@ -111,18 +117,27 @@ class SpecStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
-    def record(self, num_draft: Tensor, num_accepted: Tensor, active: Tensor) -> None:
-        """One verify step: (B,) drafts offered, drafts accepted, row still running."""
-        nd, na = num_draft[active].tolist(), num_accepted[active].tolist()
+    def record(self, offered: Tensor, num_accepted: Tensor, active: Tensor,
+               accepted_source: Tensor | None = None) -> None:
+        """One verify step: offered (B, k) bool = the walk stood at depth i with a draft to try
+        (chain: i < drafts offered and i <= accepted), num_accepted (B,), active (B,) row running;
+        accepted_source (B, k) uint8 source flags of the accepted drafts (draftkit.inference.tree)."""
+        na, off = num_accepted[active].tolist(), offered[active].long().tolist()
         self.steps += 1
         self.row_steps += len(na)
-        for d, a in zip(nd, na):
+        for a, o in zip(na, off):
             self.emitted += a + 1
-            self.accepted_hist[a] += 1
-            for i in range(min(a + 1, d)):  # drafts 0..a were examined (a < d: a was rejected)
-                self.reached[i] += 1
-            for i in range(a):
+            self.accepted_hist[min(a, self.k)] += 1
+            for i, reached in enumerate(o[: self.k]):
+                self.reached[i] += reached
+            for i in range(min(a, self.k)):
                 self.accepted_at[i] += 1
+        if accepted_source is not None:
+            for row, a in zip(accepted_source[active].tolist(), na):
+                for flag in row[:a]:
+                    name = SOURCE_NAMES.get(flag)
+                    if name:
+                        self.accepted_by_source[name] = self.accepted_by_source.get(name, 0) + 1
 
     def __iadd__(self, other: "SpecStats") -> "SpecStats":
         if other.k != self.k:
@@ -131,6 +146,8 @@ class SpecStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("accepted_hist", "reached", "accepted_at"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        for name, n in other.accepted_by_source.items():
+            self.accepted_by_source[name] = self.accepted_by_source.get(name, 0) + n
         return self
 
     def to_dict(self) -> dict:
@@ -139,6 +156,7 @@ class SpecStats:
             "k": self.k, "tau": self.tau, "acceptance_per_position": self.acceptance_per_position,
             "accepted_length_histogram": list(self.accepted_hist), "steps": self.steps,
             "row_steps": self.row_steps, "new_tokens": self.new_tokens,
+            "accepted_by_source": dict(self.accepted_by_source),
             "tokens_per_s": self.tokens_per_s, "prefill_s": self.prefill_s, "draft_s": self.draft_s,
             "verify_s": self.verify_s, "total_s": self.total_s,
             "draft_ms_per_step": 1e3 * self.draft_s / steps, "verify_ms_per_step": 1e3 * self.verify_s / steps,
@@ -151,17 +169,29 @@ class SpecStats:
 
 
 class TargetCache:
-    """The target's DynamicCache for a ragged batch: slots, their validity, per-row positions."""
+    """The target's KV cache for a ragged batch: slots, their validity, their rotary positions.
+
+    Prefill and plain steps pass transformers a 2D mask over the slots. Verify steps (`verify`)
+    build the 4D mask themselves from per-slot positions: a query sees the valid cached slots and
+    the new slots it is told to (a chain: the ones before it; a tree: its ancestors), and on
+    sliding-window layers only keys less than `sliding_window` positions back. Positions, not slot
+    indices, bound the window: rolled-back holes would make a slot-indexed window too short. So the
+    cache is a plain DynamicCache (full layers): transformers' sliding layers would drop slots by
+    count. After a verify, `commit_path` moves the kept slots (in path order) to the front of the
+    new block and crops the rest, so at batch 1 the cache never holds a hole.
+    """
 
     def __init__(self, target, batch_size: int, layers: tuple[int, ...] = ()):
         from transformers import DynamicCache
 
         self.target = target
         self.layers = tuple(layers)
-        self.cache = DynamicCache(config=target.config)
+        self.cache = DynamicCache()
         dev = target.device
         self.slot_valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=dev)  # (B, S)
+        self.slot_pos = torch.zeros(batch_size, 0, dtype=torch.long, device=dev)  # (B, S) rotary position
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=dev)  # (B,)
+        self.mask_spec = attention_mask_spec(target)
 
     def forward(self, ids: Tensor, valid: Tensor, logits_from: int = 0) -> tuple[Tensor, Tensor | None]:
         """Feed ids (B, T) as new slots; valid (B, T) marks real tokens (left padding, finished rows).
@@ -171,9 +201,27 @@ class TargetCache:
         (None when it reads none).
         """
         positions = (self.next_pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
+        self._append(valid, positions)
+        return self._run(ids, self.slot_valid.long(), positions, logits_from)
+
+    def verify(self, ids: Tensor, valid: Tensor, positions: Tensor, visible: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Feed a draft block: ids, valid, positions (B, T); visible (B, T, T) bool = query i may see
+        new slot j (its ancestors and itself). Returns logits (B, T, V) and features as `forward`."""
+        S0 = self.slot_valid.shape[1]
+        self._append(valid, positions)
+        B, T = ids.shape
+        new = visible & valid[:, None, :]
+        new |= torch.eye(T, dtype=torch.bool, device=ids.device)  # a query always sees itself (no empty rows)
+        allowed = torch.cat([self.slot_valid[:, None, :S0].expand(B, T, S0), new], dim=2)  # (B, T, S)
+        return self._run(ids, self.mask_spec.build(allowed, positions, self.slot_pos), positions, 0)
+
+    def _append(self, valid: Tensor, positions: Tensor) -> None:
         self.slot_valid = torch.cat([self.slot_valid, valid], dim=1)  # (B, S + T)
+        self.slot_pos = torch.cat([self.slot_pos, positions], dim=1)
+
+    def _run(self, ids, mask, positions, logits_from):
         want_hidden = any(i != FINAL for i in self.layers)
-        out = self.target.decoder(input_ids=ids, attention_mask=self.slot_valid.long(), position_ids=positions,
+        out = self.target.decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
                                   past_key_values=self.cache, use_cache=True, output_hidden_states=want_hidden)
         final = out.last_hidden_state  # (B, T, H) after the final norm
         logits = self.target.lm_head(final[:, logits_from:]).float()  # (B, T', V)
@@ -192,8 +240,76 @@ class TargetCache:
         used = self.slot_valid[:, -T:].any(0)  # (T,)
         trailing = T - (int(used.nonzero().max()) + 1 if bool(used.any()) else 0)
         if trailing:
-            self.cache.crop(-trailing)
-            self.slot_valid = self.slot_valid[:, :-trailing]
+            self._crop(trailing)
+
+    def commit_path(self, slots: Tensor, num_keep: Tensor, block: int) -> None:
+        """Keep, of the last `block` fed slots, slots (B, L) (block-relative, in order; entries past
+        num_keep (B,) ignored): they move to the front of the block, everything after is dropped."""
+        L = int(num_keep.max()) if num_keep.numel() else 0
+        S0 = self.slot_valid.shape[1] - block
+        idx = slots[:, :L].clamp(min=0)  # (B, L)
+        keep = torch.arange(L, device=slots.device)[None] < num_keep[:, None]  # (B, L)
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)  # (B, kv, S, d)
+                g = idx[:, None, :, None].expand(t.shape[0], t.shape[1], L, t.shape[3])
+                setattr(layer, name, torch.cat([t[:, :, :S0], t[:, :, S0:].gather(2, g)], dim=2))
+        self.slot_valid = torch.cat([self.slot_valid[:, :S0], keep], dim=1)
+        self.slot_pos = torch.cat([self.slot_pos[:, :S0], self.slot_pos[:, S0:].gather(1, idx)], dim=1)
+        self.next_pos += num_keep
+
+    def _crop(self, n: int) -> None:
+        self.cache.crop(-n)
+        self.slot_valid = self.slot_valid[:, :-n]
+        self.slot_pos = self.slot_pos[:, :-n]
+
+
+@dataclass
+class MaskSpec:
+    """How this target takes a ready-made 4D mask: one tensor, or a dict per layer type (models
+    whose config has `layer_types`); which types are sliding and their window; bool or additive."""
+
+    layer_types: tuple[str, ...] | None  # None: the model takes one tensor
+    window: int | None  # sliding window (positions) of "sliding_attention" layers / of every layer
+    additive_dtype: torch.dtype | None  # eager attention adds the mask: 0 / finfo.min in this dtype
+
+    def build(self, allowed: Tensor, q_pos: Tensor, k_pos: Tensor):
+        """allowed (B, T, S) bool; q_pos (B, T), k_pos (B, S) rotary positions -> the model's mask."""
+        def fmt(m: Tensor) -> Tensor:
+            m = m[:, None]  # (B, 1, T, S)
+            if self.additive_dtype is None:
+                return m
+            return torch.zeros(m.shape, dtype=self.additive_dtype, device=m.device).masked_fill(
+                ~m, torch.finfo(self.additive_dtype).min)
+
+        def windowed() -> Tensor:
+            return allowed & (q_pos[:, :, None] - k_pos[:, None, :] < self.window)
+
+        if self.layer_types is None:
+            return fmt(windowed() if self.window else allowed)
+        return {t: fmt(windowed() if t == "sliding_attention" else allowed) for t in self.layer_types}
+
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_mask_spec(target) -> MaskSpec:
+    cfg = getattr(target.model, "config", None) or target.config
+    types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    if impl.startswith("flash") or impl == "flex_attention":
+        raise SpecError(f"target attention '{impl}' cannot take the verify loop's tree/hole mask; "
+                        "load the target with attn_implementation='sdpa' or 'eager'")
+    if types is not None:
+        unknown = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
+        if unknown:
+            raise SpecError(f"target config layer_types {unknown}: the verify loop supports {SUPPORTED_LAYER_TYPES}")
+        types = tuple(dict.fromkeys(types))
+        window = window if "sliding_attention" in types else None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        window = None
+    return MaskSpec(types, window, target.dtype if impl == "eager" else None)
 
 
 def left_pad(prompts: list[list[int]], device) -> tuple[Tensor, Tensor]:
@@ -314,21 +430,34 @@ def typical_verify(drafts: Tensor, logits: Tensor, num_draft: Tensor, params: Sa
 
 
 class SpecDecoder:
-    """Target + drafter (a DraftHead or anything with new_draft_state/draft) + rejection sampler.
+    """Target + drafter + verify rule: the draft-verify loop.
 
-    acceptance="rejection" (default): lossless rejection sampling. acceptance="typical": Medusa's
-    typical acceptance with typical_epsilon / typical_delta, LOSSY at T > 0 (see the module doc).
+    Chain mode (tree=None): the drafter's `draft` proposes k tokens per step, verified by the
+    rejection sampler (acceptance="rejection", lossless, sampled drafts with their q) or Medusa's
+    typical acceptance (acceptance="typical", LOSSY at T > 0; see the module doc).
+    Tree mode (tree=TreeShape): the drafter's `draft_tree` proposes a tree (heads: EAGLE-2 growth;
+    HybridDrafter: the head's tree plus a lookup branch), verified in one forward and accepted by
+    draftkit.inference.tree.accept_tree (lossless at every temperature).
     """
 
-    def __init__(self, target, head, k: int, sampler: RejectionSampler | None = None,
+    def __init__(self, target, head, k: int | None = None, sampler: RejectionSampler | None = None,
                  stop_ids: list[int] | None = None, acceptance: str = "rejection",
-                 typical_epsilon: float = TYPICAL_EPSILON, typical_delta: float = TYPICAL_DELTA):
-        limit = getattr(head, "max_draft_tokens", None)
+                 typical_epsilon: float = TYPICAL_EPSILON, typical_delta: float = TYPICAL_DELTA,
+                 tree: TreeShape | None = None):
         check_acceptance(acceptance, typical_epsilon, typical_delta)
         self.acceptance, self.typical_epsilon, self.typical_delta = acceptance, typical_epsilon, typical_delta
+        self.tree = tree
+        if tree is not None:
+            if not hasattr(head, "draft_tree"):
+                raise SpecError(f"{getattr(head, 'family', type(head).__name__)} cannot draft trees (no draft_tree)")
+            if acceptance != "rejection":
+                raise SpecError("tree drafting verifies with the lossless tree walk; acceptance='typical' is chain-only")
+            check_tree(head, tree)
+            k = max(tree.depth, getattr(head, "max_branch_tokens", 0))
+        limit = getattr(head, "max_draft_tokens", None)
         if not isinstance(k, int) or k < 1:
             raise SpecError(f"k (draft tokens per step) must be an integer >= 1, got {k!r}")
-        if limit is not None and k > limit:
+        if tree is None and limit is not None and k > limit:
             raise SpecError(f"k={k} is larger than this {getattr(head, 'family', 'drafter')} head supports "
                             f"(max_draft_tokens={limit})")
         self.target, self.head, self.k = target, head, k
@@ -355,8 +484,6 @@ class SpecDecoder:
         stats = SpecStats(k)
         gens = make_generators(seeds if seeds is not None else range(B), dev)
         sample = sample_fn(params, gens)
-        # typical acceptance verifies the drafter's top-1 chain; rejection sampling its samples (and q)
-        draft_sample = sample_fn(SamplingParams(), gens) if self.acceptance == "typical" else sample
         rows = _Rows(B, max_new_tokens, self.stop_ids, dev)
 
         # Prefill: the whole prompt, the first token sampled from the target.
@@ -377,39 +504,24 @@ class SpecDecoder:
 
         while rows.any_active:
             active = rows.active.clone()
-            # 1. Draft: the head consumes the newly confirmed positions, then drafts k.
             t0 = time.perf_counter()
-            drafts, dprobs = self.head.draft(state, feats, next_tokens, feed_valid & active[:, None], k, draft_sample)
-            _sync(dev)
-            t1 = time.perf_counter()
-            # 2. Verify [pending, d_1..d_w] in one forward; w = longest draft among running rows.
-            num_draft = (drafts >= 0).long().cumprod(1).sum(1) * active  # (B,)
-            w = int(num_draft.max())
-            drafts = drafts[:, :w].clamp(min=0)
-            if dprobs is not None:
-                dprobs = dprobs[:, :w]
-            step_ids = torch.cat([pending[:, None], drafts], dim=1)  # (B, w+1)
-            step_valid = active[:, None].expand(B, w + 1)
-            logits, feats = tc.forward(step_ids, step_valid)  # (B, w+1, V), (B, w+1, F) | None
-            if w and self.acceptance == "typical":  # LOSSY: see typical_verify
-                out, num_acc = typical_verify(drafts, logits, num_draft, params, sample,
-                                              self.typical_epsilon, self.typical_delta)
-            elif w:
-                out, num_acc = self.sampler(drafts, dprobs, logits, num_draft, params, gens)  # (B, w+1), (B,)
-            else:  # nothing drafted anywhere: a plain step, the token drawn from the target as is
-                out, num_acc = sample(logits[:, 0])[0][:, None], torch.zeros_like(num_draft)
-            # 3. Roll back: keep pending + the accepted drafts; the rest become holes.
-            keep = (torch.arange(w + 1, device=dev)[None] <= num_acc[:, None]) & active[:, None]  # (B, w+1)
-            tc.commit(keep)
+            step = self._tree_step if self.tree is not None else self._chain_step
+            out, num_acc, path, offered, source, verify_feats, t1 = step(
+                state, feats, next_tokens, feed_valid & active[:, None], active, pending, tc, params, gens, sample)
+            # Roll back: keep the root (pending) and the accepted path, compacted in path order.
+            num_keep = (num_acc + 1) * active
+            slots = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # (B, D+1) block slots
+            tc.commit_path(slots, num_keep, verify_feats.shape[1])
+            L = int(num_keep.max())
             pending = out.gather(1, num_acc[:, None])[:, 0]  # (B,) recovered / bonus token
-            next_tokens, feed_valid = out.clamp(min=0), keep  # the token after each verified position
-            if feats is None:
-                feats = step_ids.new_zeros(B, w + 1, 0, dtype=self.target.dtype)
+            # The head consumes the kept positions next step: their features and the token after each.
+            feats = verify_feats.gather(1, slots[:, :L].clamp(min=0)[..., None].expand(-1, -1, verify_feats.shape[2]))
+            next_tokens = out[:, :L].clamp(min=0)
+            feed_valid = torch.arange(L, device=dev)[None] < num_keep[:, None]
             _sync(dev)
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
-            # 4. Emit, stopping rows independently at a stop token or max_new_tokens.
-            stats.record(num_draft, num_acc, active)
+            stats.record(offered, num_acc, active, source)
             out_rows, n_rows = out.tolist(), num_acc.tolist()
             for b in active.nonzero()[:, 0].tolist():
                 rows.add(b, out_rows[b][: n_rows[b] + 1])
@@ -417,6 +529,71 @@ class SpecDecoder:
         stats.new_tokens = rows.new_tokens()
         stats.total_s = time.perf_counter() - t_start
         return rows.out, stats
+
+    def _chain_step(self, state, feats, next_tokens, feed_valid, active, pending, tc, params, gens, sample):
+        """Draft a chain of k, verify [pending, d_1..d_w] causally, rejection-sample (or typical)."""
+        B, dev = active.shape[0], active.device
+        # typical acceptance verifies the drafter's top-1 chain; rejection sampling its samples (and q)
+        draft_sample = sample_fn(SamplingParams(), gens) if self.acceptance == "typical" else sample
+        drafts, dprobs = self.head.draft(state, feats, next_tokens, feed_valid, self.k, draft_sample)
+        _sync(dev)
+        t1 = time.perf_counter()
+        num_draft = (drafts >= 0).long().cumprod(1).sum(1) * active  # (B,)
+        w = int(num_draft.max())
+        drafts = drafts[:, :w].clamp(min=0)
+        if dprobs is not None:
+            dprobs = dprobs[:, :w]
+        step_ids = torch.cat([pending[:, None], drafts], dim=1)  # (B, w+1)
+        ar = torch.arange(w + 1, device=dev)
+        step_valid = (ar[None] <= num_draft[:, None]) & active[:, None]
+        causal = (ar[None, :] <= ar[:, None]).expand(B, w + 1, w + 1)
+        logits, vfeats = tc.verify(step_ids, step_valid, tc.next_pos[:, None] + ar, causal)
+        if w and self.acceptance == "typical":  # LOSSY: see typical_verify
+            out, num_acc = typical_verify(drafts, logits, num_draft, params, sample,
+                                          self.typical_epsilon, self.typical_delta)
+        elif w:
+            # draw_width=k: each row consumes the same random numbers per step whatever the others drafted
+            out, num_acc = self.sampler(drafts, dprobs, logits, num_draft, params, gens, draw_width=self.k)
+        else:  # nothing drafted anywhere: a plain step, the token drawn from the target as is
+            out, num_acc = sample(logits[:, 0])[0][:, None], torch.zeros_like(num_draft)
+        ark = torch.arange(self.k, device=dev)[None]
+        path = torch.where(ark < num_acc[:, None], ark + 1, -1)  # (B, k) block slots 1..num_acc
+        offered = (ark < num_draft[:, None]) & (ark <= num_acc[:, None])
+        out = torch.nn.functional.pad(out, (0, self.k + 1 - out.shape[1]), value=-1)
+        return out, num_acc, path, offered, None, _no_feats(vfeats, step_ids, self.target.dtype), t1
+
+    def _tree_step(self, state, feats, next_tokens, feed_valid, active, pending, tc, params, gens, sample):
+        """Draft a tree, verify root + nodes in one forward with the ancestor mask, walk it."""
+        dev = active.device
+        tree = self.head.draft_tree(state, feats, next_tokens, feed_valid, self.tree)
+        tree = _mask_rows(tree, active)
+        _sync(dev)
+        t1 = time.perf_counter()
+        step_ids = torch.cat([pending[:, None], tree.tokens.clamp(min=0)], dim=1)  # (B, N+1)
+        step_valid = torch.cat([active[:, None], tree.tokens >= 0], dim=1)
+        positions = tc.next_pos[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], dim=1)
+        logits, vfeats = tc.verify(step_ids, step_valid, positions, tree.ancestor_mask())
+        noise = None if params.greedy else tree_noise(self.k, logits.shape[-1], gens).to(dev)
+        v = accept_tree(tree, logits, params, noise, depth=self.k)
+        source = tree.source.gather(1, (v.path - 1).clamp(min=0))  # (B, k) flags of the accepted nodes
+        return v.tokens, v.num_accepted, v.path, v.offered, source, _no_feats(vfeats, step_ids, self.target.dtype), t1
+
+
+def _no_feats(feats: Tensor | None, ids: Tensor, dtype) -> Tensor:
+    return feats if feats is not None else ids.new_zeros(*ids.shape, 0, dtype=dtype)
+
+
+def _mask_rows(tree: DraftTree, active: Tensor) -> DraftTree:
+    """Stopped rows offer no nodes."""
+    tokens = torch.where(active[:, None], tree.tokens, -1)
+    return DraftTree(tokens, tree.parents, tree.depth, torch.where(tokens >= 0, tree.source, 0).to(torch.uint8))
+
+
+def check_tree(head, shape: TreeShape) -> None:
+    limit = getattr(head, "max_tree_depth", None)
+    if limit is not None and shape.depth > limit:
+        raise SpecError(f"tree depth {shape.depth} is deeper than this {getattr(head, 'family', 'drafter')} "
+                        f"drafter supports ({limit})")
 
 
 @dataclass

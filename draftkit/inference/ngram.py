@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from draftkit.inference.tree import SOURCE_LOOKUP, DraftTree, add_branches
+
 
 @dataclass
 class NgramState:
@@ -38,15 +40,25 @@ class NgramDrafter:
 
     def draft(self, state: NgramState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
               sample=None) -> tuple[Tensor, None]:
-        new, ok = next_tokens.tolist(), valid.tolist()
-        out = torch.full((len(new), k), -1, dtype=torch.long)
-        for b, (toks, mask) in enumerate(zip(new, ok)):
+        out = torch.full((valid.shape[0], k), -1, dtype=torch.long)
+        for b, proposal in enumerate(self.proposals(state, next_tokens, valid, k)):
+            out[b, : len(proposal)] = torch.tensor(proposal, dtype=torch.long)
+        return out.to(next_tokens.device), None
+
+    def proposals(self, state: NgramState, next_tokens: Tensor, valid: Tensor, k: int) -> list[list[int]]:
+        """Take in the newly confirmed tokens, then up to k proposed tokens per row ([] = no match;
+        a row that got nothing new has stopped: no need to draft for it)."""
+        out = []
+        for b, (toks, mask) in enumerate(zip(next_tokens.tolist(), valid.tolist())):
             hist = state.history[b]
             hist.extend(t for t, m in zip(toks, mask) if m)
-            if any(mask):  # a row that got nothing new has stopped: no need to draft for it
-                proposal = self.propose(hist, k)
-                out[b, : len(proposal)] = torch.tensor(proposal, dtype=torch.long)
-        return out.to(next_tokens.device), None
+            out.append(self.propose(hist, k) if any(mask) else [])
+        return out
+
+    def draft_tree(self, state: NgramState, feats: Tensor, next_tokens: Tensor, valid: Tensor, shape) -> DraftTree:
+        """Lookup alone in tree mode: its proposal as a one-branch tree of up to shape.depth tokens."""
+        tree = DraftTree.empty(valid.shape[0], next_tokens.device)
+        return add_branches(tree, self.proposals(state, next_tokens, valid, shape.depth), SOURCE_LOOKUP)
 
     def propose(self, hist: list[int], k: int) -> list[int]:
         """Up to k tokens that followed an earlier match of hist's longest matching suffix.

@@ -243,6 +243,7 @@ class RejectionSampler:
         num_draft: torch.Tensor,  # (B,) int64
         params: SamplingParams,
         generators: Sequence[torch.Generator] | None = None,  # one per row; None = global RNG
+        draw_width: int | None = None,  # draw uniforms for max(k, draw_width) drafts, use the first k
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, k = draft_tokens.shape
         V = target_logits.shape[-1]
@@ -253,7 +254,9 @@ class RejectionSampler:
             target, accept_uniform, sample_noise = target_logits, None, None
         else:
             target = logits_to_probs(target_logits, params)  # (B, k+1, V) float32
-            accept_uniform = self._uniform((B, k), generators, target.device)  # (B, k)
+            # A row's stream must not depend on how wide the other rows' drafts made this step:
+            # with draw_width fixed per run, every row draws the same count every step.
+            accept_uniform = self._uniform((B, max(k, draw_width or 0)), generators, target.device)[:, :k]
             sample_noise = _inverse(self._exponential((B, V), generators, target.device))  # (B, V)
             if draft_probs is not None:
                 draft_probs = draft_probs.float()
