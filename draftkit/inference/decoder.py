@@ -551,11 +551,9 @@ class SpecDecoder:
         if w and self.acceptance == "typical":  # LOSSY: see typical_verify
             out, num_acc = typical_verify(drafts, logits, num_draft, params, sample,
                                           self.typical_epsilon, self.typical_delta)
-        elif w:
+        else:  # w == 0 (nothing drafted anywhere) is a plain step: the bonus token drawn from p
             # draw_width=k: each row consumes the same random numbers per step whatever the others drafted
             out, num_acc = self.sampler(drafts, dprobs, logits, num_draft, params, gens, draw_width=self.k)
-        else:  # nothing drafted anywhere: a plain step, the token drawn from the target as is
-            out, num_acc = sample(logits[:, 0])[0][:, None], torch.zeros_like(num_draft)
         ark = torch.arange(self.k, device=dev)[None]
         path = torch.where(ark < num_acc[:, None], ark + 1, -1)  # (B, k) block slots 1..num_acc
         offered = (ark < num_draft[:, None]) & (ark <= num_acc[:, None])
@@ -571,11 +569,12 @@ class SpecDecoder:
         t1 = time.perf_counter()
         step_ids = torch.cat([pending[:, None], tree.tokens.clamp(min=0)], dim=1)  # (B, N+1)
         step_valid = torch.cat([active[:, None], tree.tokens >= 0], dim=1)
-        positions = tc.next_pos[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], dim=1)
+        positions = tc.next_pos[:, None] + torch.cat([tree.depth.new_zeros(tree.depth.shape[0], 1), tree.depth], dim=1)
         logits, vfeats = tc.verify(step_ids, step_valid, positions, tree.ancestor_mask())
         noise = None if params.greedy else tree_noise(self.k, logits.shape[-1], gens).to(dev)
         v = accept_tree(tree, logits, params, noise, depth=self.k)
-        source = tree.source.gather(1, (v.path - 1).clamp(min=0))  # (B, k) flags of the accepted nodes
+        flags = torch.nn.functional.pad(tree.source, (1, 0))  # (B, N+1) by block slot, root 0
+        source = flags.gather(1, v.path.clamp(min=0))  # (B, k) flags of the accepted nodes
         return v.tokens, v.num_accepted, v.path, v.offered, source, _no_feats(vfeats, step_ids, self.target.dtype), t1
 
 

@@ -299,7 +299,7 @@ def accept_tree(tree: DraftTree, logits: Tensor, params: SamplingParams, noise: 
             offered[:, j] = walking & kids.any(1)
         match = kids & (tree.tokens == t[:, None])
         descend = walking & match.any(1) & (j < D)
-        nxt = match.float().argmax(1) + 1
+        nxt = match.float().argmax(1) + 1 if N else cur
         if j < D:
             path[:, j] = torch.where(descend, nxt, -1)
         num_acc += descend.long()
