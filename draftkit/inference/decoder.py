@@ -464,6 +464,7 @@ class SpecDecoder:
         self.sampler = sampler or RejectionSampler("auto")
         self.stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)
         self.layers = tuple(getattr(head, "feature_layers", (FINAL,)))
+        self.observer = None  # called with (DraftTree, TreeVerdict) after every tree verify
 
     @property
     def lossless(self) -> bool:
@@ -573,6 +574,8 @@ class SpecDecoder:
         logits, vfeats = tc.verify(step_ids, step_valid, positions, tree.ancestor_mask())
         noise = None if params.greedy else tree_noise(self.k, logits.shape[-1], gens).to(dev)
         v = accept_tree(tree, logits, params, noise, depth=self.k)
+        if self.observer is not None:  # the cost model's acceptance profile (draftkit.inference.cost)
+            self.observer(tree, v)
         flags = torch.nn.functional.pad(tree.source, (1, 0))  # (B, N+1) by block slot, root 0
         source = flags.gather(1, v.path.clamp(min=0))  # (B, k) flags of the accepted nodes
         return v.tokens, v.num_accepted, v.path, v.offered, source, _no_feats(vfeats, step_ids, self.target.dtype), t1
@@ -585,7 +588,8 @@ def _no_feats(feats: Tensor | None, ids: Tensor, dtype) -> Tensor:
 def _mask_rows(tree: DraftTree, active: Tensor) -> DraftTree:
     """Stopped rows offer no nodes."""
     tokens = torch.where(active[:, None], tree.tokens, -1)
-    return DraftTree(tokens, tree.parents, tree.depth, torch.where(tokens >= 0, tree.source, 0).to(torch.uint8))
+    return DraftTree(tokens, tree.parents, tree.depth, torch.where(tokens >= 0, tree.source, 0).to(torch.uint8),
+                     tree.score)
 
 
 def check_tree(head, shape: TreeShape) -> None:

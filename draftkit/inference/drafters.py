@@ -25,13 +25,14 @@ from typing import Any
 
 from torch import Tensor
 
+from draftkit.inference.decoder import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.tree import SOURCE_LOOKUP, DraftTree, TreeShape, add_branches
 
 MODES = ("chain", "tree", "hybrid", "lookup")
 
 
-class DraftSettingsError(ValueError):
+class DraftSettingsError(SpecError):
     """A draft setting out of range, named by field."""
 
 

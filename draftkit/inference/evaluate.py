@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ import torch
 from draftkit.inference.decoder import (ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, SpecDecoder, SpecError,
                                         SpecStats, PlainStats, acceptance_label, check_acceptance, compare_greedy,
                                         context_length, plain_generate, stop_token_ids)
-from draftkit.inference.ngram import NgramDrafter
+from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams
 from draftkit.prompts import no_prompts_message, record_id, record_messages
@@ -138,13 +139,60 @@ def synthesize_prompts(target, n: int, seed: int = 0, max_tokens: int = 64,
 # ---------------------------------------------------------------------------------------------
 
 
-class _Method:
-    """One way of decoding (spec with the head / n-gram, or plain) and its accumulated stats."""
+@dataclass
+class EvalSettings:
+    """Everything `evaluate` decides besides the target, the head and the prompts (the CLI's flags).
 
-    def __init__(self, name: str, target, drafter, k: int, sampler, stop_ids, **acceptance):
-        self.name, self.target = name, target
-        self.decoder = SpecDecoder(target, drafter, k, sampler, stop_ids, **acceptance) if drafter is not None else None
-        self.stop_ids, self.k = stop_ids, k
+    The main method is how `draft` drafts (hybrid, tree or chain with the head; lookup without one);
+    `compare` names the methods measured beside it in the same interleaved run: "plain" (the
+    baseline, and at T = 0 the reference every output must equal), "lookup" (prompt lookup alone),
+    "head" (the head alone: its tree, or its chain in chain mode) and "hybrid" (head tree + lookup).
+    """
+
+    draft: DraftSettings = field(default_factory=DraftSettings)
+    compare: tuple[str, ...] = ("plain", "lookup", "head", "hybrid")
+    temperatures: tuple[float, ...] = (0.0,)
+    max_new_tokens: int = 128
+    batch_size: int = 1
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # row i samples with seed + i
+    acceptance: str = "rejection"  # or "typical" (LOSSY, chain mode only): see decoder.py
+    typical_epsilon: float = TYPICAL_EPSILON
+    typical_delta: float = TYPICAL_DELTA
+    raise_errors: bool = True  # False: a failure midway returns the report so far, status "partial"
+    progress: bool = False
+
+    def __post_init__(self):
+        unknown = sorted(set(self.compare) - set(METHODS))
+        if unknown:
+            raise SpecError(f"compare: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+
+
+METHODS = ("plain", "lookup", "head", "hybrid")
+MAIN_OF_MODE = {"chain": "head", "tree": "head", "hybrid": "hybrid", "lookup": "lookup"}
+
+
+def legacy_settings(k: int | None = None, temperatures=None, baseline: bool = True, ngram: bool = True,
+                    ngram_n: int = 3, **fields_) -> EvalSettings:
+    """The keyword form evaluate() had before EvalSettings (k = a chain of k; ngram = lookup beside
+    it with the same k); the trainer's held-out evaluation and older scripts call it this way."""
+    compare = tuple(m for m, on in (("plain", baseline), ("lookup", ngram)) if on)
+    draft = DraftSettings(mode="chain", k=k, lookup_len=k, lookup_ngram=ngram_n) if k is not None else \
+        DraftSettings(lookup_ngram=ngram_n)
+    if temperatures is not None:
+        fields_["temperatures"] = tuple(float(t) for t in temperatures) or (0.0,)
+    return EvalSettings(draft=draft, compare=compare, **fields_)
+
+
+class _Method:
+    """One way of decoding (speculative with some drafter, or plain) and how to run it."""
+
+    def __init__(self, name: str, target, drafter, decoder_kw: dict, sampler, stop_ids, acceptance: dict):
+        self.name, self.target, self.stop_ids = name, target, stop_ids
+        self.decoder = SpecDecoder(target, drafter, sampler=sampler, stop_ids=stop_ids, **decoder_kw,
+                                   **acceptance) if drafter is not None else None
+        self.k = self.decoder.k if self.decoder is not None else 0
 
     def run(self, ids, max_new, params, seeds, record_gaps=False):
         if self.decoder is not None:
@@ -152,85 +200,88 @@ class _Method:
             return outs, stats, None
         return plain_generate(self.target, ids, max_new, params, seeds, self.stop_ids, record_gaps)
 
+    def fresh(self):
+        return SpecStats(self.k) if self.decoder is not None else PlainStats()
 
-def _fresh(method: _Method):
-    return SpecStats(method.k) if method.decoder is not None else PlainStats()
+
+def build_methods(target, head, s: EvalSettings, sampler, stop_ids) -> tuple[dict[str, _Method], str]:
+    """The methods to measure (main first) and the main one's name."""
+    d = s.draft
+    main = MAIN_OF_MODE[d.mode] if head is not None else "lookup"
+    rule = dict(acceptance=s.acceptance, typical_epsilon=s.typical_epsilon, typical_delta=s.typical_delta)
+    lossless = dict(acceptance="rejection")
+    names = [main] + [m for m in s.compare if m != main and (head is not None or m not in ("head", "hybrid"))]
+    methods = {}
+    for name in names:
+        if name == "plain":
+            methods[name] = _Method(name, target, None, {}, sampler, stop_ids, {})
+            continue
+        mode = {"lookup": "lookup", "hybrid": "hybrid", "head": "chain" if d.mode == "chain" else "tree"}[name]
+        drafter, kw = replace(d, mode=mode).decoder_args(head)
+        methods[name] = _Method(name, target, drafter, kw, sampler, stop_ids, rule if name == main else lossless)
+    return methods, main
 
 
-def evaluate(target, head, prompts, *, k: int = 5, temperatures=(0.0,), max_new_tokens: int = 128,
-             batch_size: int = 1, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             baseline: bool = True, ngram: bool = True, ngram_n: int = 3, sampler: RejectionSampler | None = None,
-             stop_ids: list[int] | None = None, raise_errors: bool = True, progress: bool = False,
-             acceptance: str = "rejection", typical_epsilon: float = TYPICAL_EPSILON,
-             typical_delta: float = TYPICAL_DELTA) -> dict:
-    """Measure tau, alpha_i, tokens/s and speedup of `head` (None: only the n-gram drafter) on `prompts`.
+def evaluate(target, head, prompts, settings: EvalSettings | None = None, *, sampler: RejectionSampler | None = None,
+             stop_ids: list[int] | None = None, **legacy) -> dict:
+    """Measure tau, alpha_i, tokens/s and speedup of the drafting in `settings` (head None: lookup
+    alone) on `prompts`, beside the methods in settings.compare, interleaved batch by batch.
 
     prompts: EvalPrompts, distill Prompts, strings, message lists or token-id lists.
-    baseline / ngram: also run plain decoding (tokens/s, speedup, the T = 0 equality check) and
-    the n-gram drafter. Without them it is the cheap training-time mode.
-    raise_errors=False: a failure midway returns the report so far with status "partial".
-    acceptance: "rejection" (lossless, the default) or "typical" (Medusa's typical acceptance with
-    typical_epsilon / typical_delta, LOSSY) for the measured drafter: the head, or the n-gram drafter
-    when there is no head. With a head, the n-gram baseline always uses rejection sampling. The report
-    names the rule ("acceptance", "lossless"); under typical acceptance the T = 0 equality check
-    still runs and its mismatches are reported for information, not as a bug.
-    Returns the report dict (see report.py for the keys).
+    The keyword form of older callers (k=, baseline=, ngram=, temperatures=, ...) still works:
+    see legacy_settings. Returns the report dict (see report.py for the keys).
     """
     t_start = time.perf_counter()
-    if head is None and not ngram:
-        raise SpecError("nothing to evaluate: no head and the n-gram drafter is off")
-    temperatures = [float(t) for t in temperatures] or [0.0]
+    s = settings if settings is not None else legacy_settings(**legacy)
+    if settings is not None and legacy:
+        raise SpecError(f"pass either settings or keyword settings, not both: {sorted(legacy)}")
+    if head is None and "lookup" not in s.compare and s.draft.mode != "lookup":
+        raise SpecError("nothing to evaluate: no head and the lookup (n-gram) drafter is off")
     stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)
     sampler = sampler or RejectionSampler("auto")
-    check_acceptance(acceptance, typical_epsilon, typical_delta)
-    rule = dict(acceptance=acceptance, typical_epsilon=typical_epsilon, typical_delta=typical_delta)
-    items, skipped = _prepare(target, as_prompts(prompts), k, max_new_tokens)
+    check_acceptance(s.acceptance, s.typical_epsilon, s.typical_delta)
+    methods, main = build_methods(target, head, s, sampler, stop_ids)
+    k = methods[main].k
+    items, skipped = _prepare(target, as_prompts(prompts), max(m.k for m in methods.values()), s.max_new_tokens)
     if not items:
         raise SpecError(f"no prompt fits: {len(skipped)} skipped ({skipped[0]['reason'] if skipped else 'none given'})")
-    ngram_drafter = NgramDrafter(max_n=ngram_n) if ngram else None
-    main = "spec" if head is not None else "ngram"
-    methods = {}
-    if head is not None:
-        methods["spec"] = _Method("spec", target, head, k, sampler, stop_ids, **rule)
-    if baseline:
-        methods["plain"] = _Method("plain", target, None, k, sampler, stop_ids)
-    if ngram_drafter is not None:
-        methods["ngram"] = _Method("ngram", target, ngram_drafter, k, sampler, stop_ids,
-                                   **(rule if main == "ngram" else {}))
+    temperatures = [float(t) for t in s.temperatures] or [0.0]
     report = {
         "status": "running", "error": None, "target": target.info(), "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device), "drafter": getattr(head, "family", None) if head is not None else "ngram",
-        "head_config": _head_summary(head), "k": k, "temperature": temperatures[0], "temperatures": temperatures,
-        "top_k": top_k, "top_p": top_p, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-        "seed": seed, "num_prompts": len(items), "skipped": skipped, "runs": [],
-        "acceptance": acceptance_label(acceptance, typical_epsilon, typical_delta),
-        "lossless": acceptance == "rejection",
+        "head_config": _head_summary(head), "main": main, "draft": s.draft.to_dict(),
+        "draft_description": s.draft.describe() if head is not None else replace(s.draft, mode="lookup").describe(),
+        "methods_measured": list(methods), "k": k, "temperature": temperatures[0], "temperatures": temperatures,
+        "top_k": s.top_k, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "batch_size": s.batch_size,
+        "seed": s.seed, "num_prompts": len(items), "skipped": skipped, "runs": [],
+        "acceptance": acceptance_label(s.acceptance, s.typical_epsilon, s.typical_delta),
+        "lossless": s.acceptance == "rejection",
         "threads": torch.get_num_threads(),
     }
-    batches = _batches(items, batch_size)
+    batches = _batches(items, s.batch_size)
     try:
-        if baseline and len(methods) > 1:  # warm-up (allocator, kernels), not timed
+        if "plain" in methods and len(methods) > 1:  # warm-up (allocator, kernels), not timed
             warm = [items[0]["ids"]]
             for m in methods.values():
-                m.run(warm, min(4, max_new_tokens), SamplingParams(), [0])
+                m.run(warm, min(4, s.max_new_tokens), SamplingParams(), [0])
         for T in temperatures:
-            params = SamplingParams(T, top_k, top_p)
+            params = SamplingParams(T, s.top_k, s.top_p)
             run = {"temperature": T, "done_prompts": 0}
             report["runs"].append(run)
-            totals = {name: _fresh(m) for name, m in methods.items()}
+            totals = {name: m.fresh() for name, m in methods.items()}
             per_cat: dict[str, dict] = {}
             outputs: dict[str, dict[int, list[int]]] = {name: {} for name in methods}
             gaps: dict[int, list] = {}
             for bi, batch in enumerate(batches):
                 ids = [it["ids"] for it in batch]
-                seeds = [seed + it["index"] for it in batch]
+                seeds = [s.seed + it["index"] for it in batch]
                 names = list(methods)
                 names = names[bi % len(names):] + names[: bi % len(names)]  # interleave the order
                 cat = batch[0]["category"]
-                cat_stats = per_cat.setdefault(cat, {n: _fresh(methods[n]) for n in methods} | {"num_prompts": 0})
+                cat_stats = per_cat.setdefault(cat, {n: methods[n].fresh() for n in methods} | {"num_prompts": 0})
                 for name in names:
                     want_gaps = name == "plain" and T == 0.0
-                    outs, stats, g = methods[name].run(ids, max_new_tokens, params, seeds, want_gaps)
+                    outs, stats, g = methods[name].run(ids, s.max_new_tokens, params, seeds, want_gaps)
                     totals[name] += stats
                     cat_stats[name] += stats
                     for it, o in zip(batch, outs):
@@ -240,12 +291,13 @@ def evaluate(target, head, prompts, *, k: int = 5, temperatures=(0.0,), max_new_
                 cat_stats["num_prompts"] += len(batch)
                 run["done_prompts"] += len(batch)
                 _fill_run(run, totals, per_cat, outputs, gaps, items, target.dtype, main)
-                if progress:
-                    print(f"  T={T:g}: {run['done_prompts']}/{len(items)} prompts, tau={run.get('tau') or 0:.2f}",
-                          file=sys.stderr, flush=True)
+                if s.progress:
+                    print(f"  T={T:g}: {run['done_prompts']}/{len(items)} prompts, " + ", ".join(
+                        f"{n} tau={(run['methods'].get(n) or {}).get('tau') or 0:.2f}" for n in methods if n != "plain"),
+                        file=sys.stderr, flush=True)
         report["status"] = "complete"
     except (Exception, KeyboardInterrupt) as e:
-        if raise_errors:
+        if s.raise_errors:
             raise
         report["status"] = "partial"
         report["error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -295,30 +347,32 @@ def _batches(items: list[dict], batch_size: int) -> list[list[dict]]:
     return out
 
 
+SUMMARY_KEYS = ("tau", "acceptance_per_position", "accepted_length_histogram", "accepted_by_source", "tokens_per_s",
+                "draft_ms_per_step", "verify_ms_per_step", "draft_s", "verify_s", "prefill_s", "steps", "row_steps",
+                "new_tokens")
+
+
+def _method_summary(stats, plain) -> dict:
+    d = stats.to_dict()
+    out = {key: d[key] for key in SUMMARY_KEYS}
+    out["speedup"] = stats.tokens_per_s / plain.tokens_per_s if plain is not None and plain.tokens_per_s else None
+    return out
+
+
 def _summary(totals: dict, main: str) -> dict:
-    """tau, alpha, tokens/s, speedups from accumulated stats of each method."""
-    s: dict = {}
-    spec = totals.get(main)
+    """The main method's numbers at the top, every speculative method under "methods", the
+    lookup baseline also under its historical key "ngram"."""
     plain = totals.get("plain")
-    if spec is not None:
-        d = spec.to_dict()
-        s.update(tau=d["tau"], acceptance_per_position=d["acceptance_per_position"],
-                 accepted_length_histogram=d["accepted_length_histogram"], tokens_per_s=d["tokens_per_s"],
-                 draft_ms_per_step=d["draft_ms_per_step"], verify_ms_per_step=d["verify_ms_per_step"],
-                 draft_s=d["draft_s"], verify_s=d["verify_s"], prefill_s=d["prefill_s"], steps=d["steps"],
-                 new_tokens=d["new_tokens"])
+    methods = {name: _method_summary(st, plain) for name, st in totals.items()
+               if name != "plain" and not isinstance(st, (int, PlainStats))}
+    s: dict = dict(methods.get(main, {}))
     if plain is not None:
-        s.update(baseline_tokens_per_s=plain.tokens_per_s,
-                 plain_ms_per_step=1e3 * plain.total_s / max(plain.steps, 1))
-        if spec is not None:
-            s["speedup"] = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else None
+        s.update(baseline_tokens_per_s=plain.tokens_per_s, plain_ms_per_step=1e3 * plain.total_s / max(plain.steps, 1))
     else:
         s.update(baseline_tokens_per_s=None, speedup=None)
-    if "ngram" in totals and main != "ngram":
-        n = totals["ngram"].to_dict()
-        s["ngram"] = {key: n[key] for key in ("tau", "acceptance_per_position", "tokens_per_s",
-                                              "draft_ms_per_step", "verify_ms_per_step")}
-        s["ngram"]["speedup"] = (n["tokens_per_s"] / plain.tokens_per_s) if plain is not None and plain.tokens_per_s else None
+    s["methods"] = methods
+    if "lookup" in methods and main != "lookup":
+        s["ngram"] = methods["lookup"]
     return s
 
 
@@ -334,10 +388,12 @@ def _fill_run(run, totals, per_cat, outputs, gaps, items, dtype, main) -> None:
             if name == "plain":
                 continue
             cmp = compare_greedy([outputs[name][it["index"]] for it in done], ref, g, dtype, pids)
-            prefix = "greedy" if name == main else "ngram_greedy"
+            prefix = "greedy" if name == main else ("ngram_greedy" if name == "lookup" else f"{name}_greedy")
             run[f"{prefix}_mismatches"] = cmp["mismatches"]
             run[f"{prefix}_near_ties"] = cmp["near_ties"]
             run[f"{prefix}_divergences"] = cmp["divergences"]
+            run["methods"][name]["greedy_mismatches"] = cmp["mismatches"]
+            run["methods"][name]["greedy_near_ties"] = cmp["near_ties"]
     else:
         run.setdefault("greedy_mismatches", None)
 
@@ -358,10 +414,23 @@ def _head_summary(head) -> dict | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", help="head directory (<output_dir>/head, or the output_dir itself); "
-                                  "without it only the n-gram drafter is measured")
+                                  "without it only prompt lookup (n-gram) is measured")
     p.add_argument("--target", help="target model dir / .gguf / hub id (default: the embedded SmolLM2-135M)")
     p.add_argument("--prompts", nargs="+", help=".json/.jsonl prompt files (default: prompts synthesized by the target)")
-    p.add_argument("--k", type=int, default=5, help="draft tokens per step (default 5)")
+    p.add_argument("--draft", default="auto", choices=["auto", "calibrate", *MODES],
+                   help="how the head drafts: auto (default) = the head config's `draft:` section, measured and "
+                        "written there on first use; calibrate = measure again; chain | tree | hybrid | lookup = "
+                        "that mode with the flags below (unset flags from the config's section or the defaults)")
+    p.add_argument("--k", type=int, help="chain length (chain mode; --draft chain is implied by --k alone)")
+    p.add_argument("--tree-topk", type=int, help="tree: children per expanded node and frontier width")
+    p.add_argument("--tree-depth", type=int, help="tree: levels")
+    p.add_argument("--tree-budget", type=int, help="tree: nodes kept (the verify forward feeds budget+1 tokens)")
+    p.add_argument("--lookup-len", type=int, help="lookup branch (hybrid) / chain (lookup) length")
+    p.add_argument("--head-off-at", type=int, help="hybrid: a lookup proposal this long skips the head's tree")
+    p.add_argument("--compare", nargs="*", default=list(METHODS), choices=list(METHODS),
+                   help="methods measured beside the main one, interleaved (default: all: plain lookup head hybrid)")
+    p.add_argument("--calibration-prompts", type=int, default=4,
+                   help="auto/calibrate: prompts (the first of the list) the cost model runs on (default 4)")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -375,8 +444,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="rejection sampler")
     p.add_argument("--acceptance", default="rejection", choices=list(ACCEPTANCE_RULES),
                    help="verify rule: rejection = lossless rejection sampling (default); typical = Medusa's "
-                        "typical acceptance, LOSSY (more tokens accepted, output no longer the target's "
-                        "distribution at T > 0); the report names it")
+                        "typical acceptance, LOSSY (chain mode only; more tokens accepted, output no longer "
+                        "the target's distribution at T > 0); the report names it")
     p.add_argument("--typical-epsilon", type=float, default=TYPICAL_EPSILON,
                    help=f"typical acceptance: probability floor epsilon (default {TYPICAL_EPSILON})")
     p.add_argument("--typical-delta", type=float, default=TYPICAL_DELTA,
@@ -396,8 +465,25 @@ def resolve_head_dir(path: str) -> Path:
     return d
 
 
+def draft_from_flags(args, saved: dict | None) -> tuple[DraftSettings, bool]:
+    """DraftSettings from --draft and the size flags on top of the head's saved `draft:` section.
+    Returns (settings, needs_measuring)."""
+    flags = {"k": args.k, "topk": args.tree_topk, "depth": args.tree_depth, "budget": args.tree_budget,
+             "lookup_len": args.lookup_len, "head_off_at": args.head_off_at, "lookup_ngram": args.ngram_n}
+    given = {key: v for key, v in flags.items() if v is not None and not (key == "lookup_ngram" and v == 3)}
+    mode = args.draft
+    if mode == "auto" and set(given) == {"k"}:
+        mode = "chain"  # `--k 4` alone keeps its old meaning: a chain of 4
+    base = DraftSettings.from_dict(saved, "config.json draft") if saved else DraftSettings()
+    if mode in MODES:
+        return replace(base, mode=mode, chosen_by="user", measured={}, **given), False
+    if mode == "auto" and saved and not given:
+        return base, False
+    return replace(base, **given), True
+
+
 def run(args) -> int:
-    from draftkit.heads.base import HeadError, load_head
+    from draftkit.heads.base import HeadError, load_head, read_head_config
     from draftkit.inference.report import format_table, write_report
     from draftkit.target import TargetError, load_target
 
@@ -405,17 +491,23 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        if args.k < 1:
+        if args.k is not None and args.k < 1:
             raise SpecError(f"--k must be >= 1, got {args.k}")
         check_acceptance(args.acceptance, args.typical_epsilon, args.typical_delta)
         prompts: list[EvalPrompt] = []
         for f in args.prompts or []:
             prompts += read_prompt_file(f)
         target = load_target(args.target, dtype=args.dtype, device=args.device)
-        head = None
+        head, saved = None, None
         if args.head:
-            head = load_head(resolve_head_dir(args.head), target, strict_target=not args.force)
+            head_dir = resolve_head_dir(args.head)
+            head = load_head(head_dir, target, strict_target=not args.force)
             head.to(dtype=target.dtype).eval()
+            saved = read_head_config(head_dir).get("draft")
+        draft, measure = draft_from_flags(args, saved)
+        if args.acceptance == "typical" and draft.mode != "chain":
+            draft = replace(draft, mode="chain", chosen_by="user (typical acceptance is chain-only)")
+            measure = False
         if not args.prompts:
             print(f"no --prompts: synthesizing {args.num_synthesized} prompts with the target", file=sys.stderr)
             prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
@@ -423,18 +515,20 @@ def run(args) -> int:
                 raise SpecError("the target synthesized no usable prompts; pass --prompts FILE")
         if args.limit is not None:
             prompts = prompts[: args.limit]
-    except (SpecError, HeadError, TargetError) as e:
+        settings = EvalSettings(
+            draft=draft, compare=tuple(m for m in args.compare if not (args.no_baseline and m == "plain")
+                                       and not (args.no_ngram and m == "lookup")),
+            temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, acceptance=args.acceptance,
+            typical_epsilon=args.typical_epsilon, typical_delta=args.typical_delta, raise_errors=False, progress=True)
+    except (SpecError, HeadError, TargetError, DraftSettingsError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
+    if head is not None and measure:
+        settings = replace(settings, draft=calibrate(target, head, head_dir, prompts, settings, args.calibration_prompts))
     out = Path(args.out)
     try:
-        report = evaluate(target, head, prompts, k=args.k, temperatures=args.temperature,
-                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, baseline=not args.no_baseline,
-                          ngram=not args.no_ngram, ngram_n=args.ngram_n,
-                          sampler=RejectionSampler(args.backend), raise_errors=False, progress=True,
-                          acceptance=args.acceptance, typical_epsilon=args.typical_epsilon,
-                          typical_delta=args.typical_delta)
+        report = evaluate(target, head, prompts, settings, sampler=RejectionSampler(args.backend))
     except (SpecError, ValueError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
@@ -451,3 +545,30 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def calibrate(target, head, head_dir: Path, prompts: list[EvalPrompt], settings: EvalSettings, n: int) -> DraftSettings:
+    """--draft auto on a head without a `draft:` section (or --draft calibrate): measure, choose,
+    print why, and write the choice into the head's config.json."""
+    from draftkit.inference.cost import auto_draft, format_choice
+
+    items, _ = _prepare(target, prompts, 16, settings.max_new_tokens)
+    calib = [it["ids"] for it in items[:: max(1, len(items) // max(n, 1))][:n]]
+    print(f"draft auto: measuring verify/draft cost and the acceptance profile on {len(calib)} prompts ...",
+          file=sys.stderr, flush=True)
+    chosen, _ = auto_draft(target, head, calib, settings.draft, max_new_tokens=min(48, settings.max_new_tokens))
+    print(format_choice(chosen), file=sys.stderr, flush=True)
+    write_draft_section(head_dir, chosen)
+    print(f"wrote the choice to {head_dir / 'config.json'} (draft:); --draft MODE and the size flags override it",
+          file=sys.stderr)
+    return chosen
+
+
+def write_draft_section(head_dir: Path, draft: DraftSettings) -> None:
+    """Set `draft:` in the head's config.json, atomically (a crash leaves the previous file)."""
+    path = Path(head_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["draft"] = draft.to_dict()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(cfg, indent=2, default=str))
+    os.replace(tmp, path)

@@ -11,7 +11,10 @@ report.json keys (top level = the first temperature; `runs` holds one entry per 
   greedy_mismatches, greedy_near_ties, greedy_divergences   (T = 0 only) vs plain decoding; a bug
                             when lossless, for information under typical acceptance
   ngram                     the prompt-lookup baseline: tau, alpha, tokens_per_s, speedup
-  per_category              the same numbers per prompt category
+  main, draft, draft_description   the measured drafting (hybrid / head / lookup) and its DraftSettings
+  methods                   every speculative method of the run side by side (lookup, head, hybrid):
+                            tau, alpha, accepted_by_source (head / lookup / both), tokens_per_s, speedup
+  per_category              the same numbers per prompt category (with its own `methods`)
 matplotlib is optional: without it acceptance.png is skipped with a warning.
 """
 from __future__ import annotations
@@ -72,6 +75,31 @@ CATEGORY_HEADER = ["T", "category", "prompts", "tau", "alpha_1..k", "tok/s", "pl
                    "ngram tau", "ngram speedup"]
 
 
+METHOD_HEADER = ["T", "category", "method", "prompts", "tau", "alpha_1..k", "tok/s", "speedup", "accepted head/lookup/both",
+                 "T=0 mismatches"]
+
+
+def _sources(m: dict) -> str:
+    src = m.get("accepted_by_source") or {}
+    return "/".join(str(src.get(k, 0)) for k in ("head", "lookup", "both"))
+
+
+def method_rows(report: dict, categories: bool = True) -> list[list[str]]:
+    """One row per (temperature, category, method): the side-by-side comparison."""
+    rows = []
+    for run in report.get("runs", []):
+        groups = [("all prompts", run)] + (sorted((run.get("per_category") or {}).items()) if categories else [])
+        for cat, c in groups:
+            for name, m in (c.get("methods") or {}).items():
+                mism = m.get("greedy_mismatches")
+                rows.append([_f(run["temperature"], "g"), cat, name + (" *" if name == report.get("main") else ""),
+                             str(c.get("num_prompts", run.get("done_prompts", ""))), _f(m.get("tau")),
+                             _alpha(m.get("acceptance_per_position")), _f(m.get("tokens_per_s"), ".1f"),
+                             _f(m.get("speedup"), ".2f") + "x", _sources(m),
+                             "–" if mism is None else f"{mism} ({m.get('greedy_near_ties', 0)} near-ties)"])
+    return rows
+
+
 def category_rows(report: dict) -> list[list[str]]:
     rows = []
     for run in report.get("runs", []):
@@ -97,8 +125,9 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 def _title(report: dict) -> str:
     t = report.get("target") or {}
+    draft = report.get("draft_description") or f"k={report.get('k')}"
     return (f"{report.get('drafter')} head on {t.get('name')} ({report.get('dtype')}, {report.get('device')}), "
-            f"k={report.get('k')}, batch {report.get('batch_size')}, max {report.get('max_new_tokens')} new tokens, "
+            f"{draft}, batch {report.get('batch_size')}, max {report.get('max_new_tokens')} new tokens, "
             f"{report.get('num_prompts')} prompts, acceptance {report.get('acceptance', 'rejection (lossless)')}")
 
 
@@ -117,6 +146,10 @@ def acceptance_line(report: dict) -> str:
 def format_table(report: dict) -> str:
     """The table `draftkit eval` prints."""
     parts = [_title(report), acceptance_line(report), _text_table(SUMMARY_HEADER, summary_rows(report))]
+    methods = method_rows(report)
+    if methods:
+        parts += ["", "Side by side (* = the drafting measured above; speedup over plain decoding, same run):",
+                  _text_table(METHOD_HEADER, methods)]
     cats = category_rows(report)
     if len({r[1] for r in cats}) > 1:
         parts += ["", _text_table(CATEGORY_HEADER, cats)]
@@ -139,6 +172,12 @@ def format_markdown(report: dict) -> str:
           "drafts 1..i-1 were accepted; speedup = speculative tokens/s over plain decoding of the same target "
           "on the same prompts, measured interleaved in this run.", "", "## Summary", "",
           _md_table(SUMMARY_HEADER, summary_rows(report)), ""]
+    methods = method_rows(report)
+    if methods:
+        md += ["## Side by side", "", "Every method decoded the same prompts in this run, interleaved prompt by prompt; "
+               "* marks the drafting of the summary. Accepted head/lookup/both: accepted draft tokens by the "
+               "source that proposed them (both = a node head and lookup proposed alike).", "",
+               _md_table(METHOD_HEADER, methods), ""]
     cats = category_rows(report)
     if cats:
         md += ["## Per category", "", _md_table(CATEGORY_HEADER, cats), ""]
@@ -166,6 +205,30 @@ def format_markdown(report: dict) -> str:
     return "\n".join(md)
 
 
+SOURCE_COLORS = {"head": "tab:blue", "lookup": "tab:orange", "both": "tab:green", "bonus": "lightgrey"}
+
+
+def _plot_sources(ax, runs: list[dict]) -> None:
+    """Stacked bars: where each method's tokens per step came from (head, lookup, both, the
+    target's own bonus / correction token)."""
+    labels, bottoms = [], []
+    for run in runs:
+        for name, m in (run.get("methods") or {}).items():
+            labels.append(f"{name}\nT={run['temperature']:g}")
+            src = m.get("accepted_by_source") or {}
+            steps = max(sum(m.get("accepted_length_histogram") or []), 1)
+            bottoms.append({key: src.get(key, 0) / steps for key in ("head", "lookup", "both")} | {"bonus": 1.0})
+    x = range(len(labels))
+    base = [0.0] * len(labels)
+    for key, color in SOURCE_COLORS.items():
+        vals = [b[key] for b in bottoms]
+        ax.bar(x, vals, 0.6, bottom=base, color=color, label=key)
+        base = [a + v for a, v in zip(base, vals)]
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set(ylabel="tokens per target forward (tau)", title="where accepted tokens came from")
+    ax.legend(fontsize=8)
+
+
 def write_plot(report: dict, path: Path) -> Path | None:
     try:
         import matplotlib
@@ -179,7 +242,7 @@ def write_plot(report: dict, path: Path) -> Path | None:
     if not runs:
         return None
     k = report.get("k", len(runs[0]["acceptance_per_position"]))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     width = 0.8 / (len(runs) + any(r.get("ngram") for r in runs))
     for j, run in enumerate(runs):
         alphas = [a if a is not None else 0.0 for a in run["acceptance_per_position"]]
@@ -201,6 +264,7 @@ def write_plot(report: dict, path: Path) -> Path | None:
     ax2.set(xlabel="drafts accepted in a step", ylabel="fraction of steps", title="accepted length")
     ax2.set_xticks(range(k + 1))
     ax2.legend(fontsize=8)
+    _plot_sources(ax3, runs)
     speed = runs[0].get("speedup")
     fig.suptitle(_title(report) + (f" — speedup {speed:.2f}x" if speed else ""), fontsize=8)
     fig.tight_layout()

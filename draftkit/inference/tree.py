@@ -82,6 +82,7 @@ class DraftTree:
     parents: Tensor
     depth: Tensor
     source: Tensor
+    score: Tensor | None = None  # (B, N) float: the head's cumulative log-prob (-inf: not the head's)
 
     @property
     def num_nodes(self) -> Tensor:
@@ -214,7 +215,8 @@ def _select(tokens, parents, scores, depth, budget: int) -> DraftTree:
     ok = kept_ok & ((par < 0) | (new_par >= 0))
     toks = torch.where(ok, tokens.gather(1, keep_idx), -1)
     return DraftTree(toks, torch.where(ok, new_par, -1), torch.where(ok, depth.gather(1, keep_idx), 0),
-                     ok.to(torch.uint8) * SOURCE_HEAD)
+                     ok.to(torch.uint8) * SOURCE_HEAD,
+                     torch.where(ok, scores.gather(1, keep_idx), float("-inf")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,26 +229,28 @@ def add_branches(tree: DraftTree, branches: list[list[int]], source: int = SOURC
     tokens along the same path) get the source flag, the rest are appended. Rows: branches[b]."""
     B = tree.tokens.shape[0]
     rows = []
-    tok_l, par_l, dep_l, src_l = (x.tolist() for x in (tree.tokens, tree.parents, tree.depth, tree.source))
+    score = tree.score if tree.score is not None else torch.full(tree.tokens.shape, float("-inf"))
+    tok_l, par_l, dep_l, src_l, sc_l = (x.tolist() for x in (tree.tokens, tree.parents, tree.depth, tree.source, score))
     for b in range(B):
-        toks, pars, deps, srcs = ([v for v, t in zip(x[b], tok_l[b]) if t >= 0] for x in (tok_l, par_l, dep_l, src_l))
+        toks, pars, deps, srcs, scs = ([v for v, t in zip(x[b], tok_l[b]) if t >= 0]
+                                       for x in (tok_l, par_l, dep_l, src_l, sc_l))
         children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}
         node = -1
         for depth, t in enumerate(branches[b] if b < len(branches) else [], start=1):
             i = children.get((node, t))
             if i is None:
                 i = len(toks)
-                toks.append(t), pars.append(node), deps.append(depth), srcs.append(0)
+                toks.append(t), pars.append(node), deps.append(depth), srcs.append(0), scs.append(float("-inf"))
                 children[(node, t)] = i
             srcs[i] |= source
             node = i
-        rows.append((toks, pars, deps, srcs))
+        rows.append((toks, pars, deps, srcs, scs))
     N = max((len(r[0]) for r in rows), default=0)
     dev = tree.tokens.device
 
     def pad(i, fill, dtype=torch.long):
         return torch.tensor([r[i] + [fill] * (N - len(r[i])) for r in rows], dtype=dtype, device=dev).view(B, N)
-    return DraftTree(pad(0, -1), pad(1, -1), pad(2, 0), pad(3, 0, torch.uint8))
+    return DraftTree(pad(0, -1), pad(1, -1), pad(2, 0), pad(3, 0, torch.uint8), pad(4, float("-inf"), torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------
