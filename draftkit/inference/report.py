@@ -254,8 +254,9 @@ def write_plot(report: dict, path: Path) -> Path | None:
                 label=f"T={run['temperature']:g}")
     ng = runs[0].get("ngram")
     if ng and ng.get("acceptance_per_position"):
-        ax1.bar([i + 1 + len(runs) * width for i in range(k)],
-                [a if a is not None else 0.0 for a in ng["acceptance_per_position"]], width, color="grey",
+        ng_alpha = ng["acceptance_per_position"][:k]
+        ax1.bar([i + 1 + len(runs) * width for i in range(len(ng_alpha))],
+                [a if a is not None else 0.0 for a in ng_alpha], width, color="grey",
                 label=f"n-gram T={runs[0]['temperature']:g} (tau {ng.get('tau') or 0:.2f})")
     ax1.set(xlabel="draft position i", ylabel="alpha_i (given earlier accepted)", ylim=(0, 1),
             title="acceptance per draft position")
