@@ -100,6 +100,26 @@ def refuse(fmt: str, family: str, why: str) -> None:
     REFUSALS[(fmt, family)] = why
 
 
+# (format, family, target model_type) -> why that engine cannot serve the head for that target
+TARGET_REFUSALS: dict[tuple[str, str, str], str] = {}
+
+
+def refuse_target(fmt: str, families: tuple[str, ...], model_types: tuple[str, ...], why: str) -> None:
+    for family in families:
+        for model_type in model_types:
+            TARGET_REFUSALS[(fmt, family, model_type)] = why
+
+
+def check_target_architecture(fmt: str, native: dict) -> None:
+    """Refuse an export whose engine would serve the head wrongly for the target it was trained on."""
+    t = native.get("target") or {}
+    why = TARGET_REFUSALS.get((fmt, native["family"], t.get("model_type")))
+    if why:
+        raise ExportError(f"format {fmt!r} cannot serve this '{native['family']}' head for its target "
+                          f"{t.get('name')} (model_type {t.get('model_type')}): {why}. The draftkit format "
+                          "keeps it (draftkit eval runs it)")
+
+
 def layout_for(fmt: str, family: str) -> Layout:
     _load_tables()
     if fmt not in FORMATS + IMPORT_ONLY:
@@ -390,6 +410,7 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
         layout = None
     else:
         layout = layout_for(fmt, family)
+        check_target_architecture(fmt, native)
     if dtype is not None:
         from draftkit.target import DTYPES
         if dtype not in DTYPES:

@@ -6,8 +6,8 @@ vllm/transformers_utils/configs/speculators/{base,algos}.py.
 """
 from __future__ import annotations
 
-from draftkit.export.formats import Context, ExportError, Layout, Shapes, refuse, register
-from draftkit.export.vllm import (VLLM_LAYERS, eagle3_config_in, eagle3_config_out, eagle3_shapes, eagle3_tensors_in,
+from draftkit.export.formats import Context, ExportError, Layout, Shapes, refuse, refuse_target, register
+from draftkit.export.vllm import (GEMMA_EMBEDDING, GEMMA_TYPES, VLLM_LAYERS, eagle3_config_in, eagle3_config_out, eagle3_shapes, eagle3_tensors_in,
                                   eagle3_tensors_out)
 
 # speculators ships model classes for eagle3, mtp, dflash, dspark and peagle (src/speculators/models/);
@@ -85,3 +85,6 @@ register(Layout(
     optional=lambda c: {"embed_tokens.weight": (_layer_config(c)["vocab_size"], _layer_config(c)["hidden_size"])},
     tensors_out=eagle3_tensors_out, tensors_in=eagle3_tensors_in, layer_convention=VLLM_LAYERS,
     d2t_convention="offset: target_id = draft_id + d2t[draft_id] (speculators DraftVocabMixin, vLLM llama_eagle3.py)"))
+refuse_target("speculators", ("eagle3",), GEMMA_TYPES,
+              GEMMA_EMBEDDING.format(src="speculators' Eagle3 draft (and vLLM's llama_eagle3.py serving it)")
+              + "; vLLM's gemma3.py implements no SupportsEagle3")
