@@ -66,8 +66,14 @@ def embedded_gguf_path() -> Path:
 
 def embedded_model_dir() -> Path:
     """Convert the embedded GGUF once into a safetensors directory; later loads take < 2 s."""
-    gguf = embedded_gguf_path()
-    out = cache_root() / "models" / f"{EMBEDDED_NAME}-{gguf.stat().st_size}"
+    return gguf_model_dir(embedded_gguf_path(), EMBEDDED_NAME)
+
+
+def gguf_model_dir(gguf: Path, name: str | None = None) -> Path:
+    """A GGUF file dequantized once into a safetensors model directory (cached under cache_root(),
+    written atomically): what serving engines load as the verifier of a head trained on the GGUF."""
+    name = name or gguf.stem
+    out = cache_root() / "models" / f"{name}-{gguf.stat().st_size}"
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +85,7 @@ def embedded_model_dir() -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None  # dequantized already; keep save_pretrained from writing a quant config
         model.config.quantization_config = None
-        model.config.name_or_path = EMBEDDED_NAME
+        model.config.name_or_path = name
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
@@ -203,7 +209,7 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
         if p.suffix == ".gguf":
             if not p.is_file():
                 raise TargetError(f"target.path: GGUF file not found: {p}")
-            src, kwargs["gguf_file"] = p.parent, p.name
+            src = gguf_model_dir(p)  # dequantized once (minutes for a large vocabulary), then seconds
         elif p.exists():
             if not p.is_dir() or not (gguf_file or (p / "config.json").is_file()):
                 raise TargetError(f"target.path: {p} is not a model directory (no config.json)")

@@ -59,7 +59,9 @@ def _eagle3_out(n: dict, ctx: Context) -> dict:
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": t.get("name"), "architectures": [t["architecture"]] if t.get("architecture") else []},
+            # the exact model the head was trained against, as an engine resolves it (export/verifier.py)
+            "verifier": {"name_or_path": (ctx.verifier or {}).get("name_or_path") or t.get("name"),
+                         "architectures": [t["architecture"]] if t.get("architecture") else []},
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": n["draft_vocab_size"],
