@@ -6,6 +6,18 @@ Feature layer convention (written into every head's config as `layer_convention`
                        convention of the EAGLE-3 reference, vLLM and SGLang aux layer ids.
   FINAL (-1)         = the output of the final norm, the tensor the lm_head reads
                        (EAGLE-1's and Medusa's feature; transformers 5.x `hidden_states[-1]`).
+
+Per architecture (tests/test_architectures.py checks each on a tiny random model):
+  Llama, Mistral, Qwen2, Qwen3  index 0 is the token embedding as is; i is the sum the engines'
+                       llama.py / qwen2.py / qwen3.py capture as `hidden_states + residual` before
+                       layer i (Mistral runs on vLLM's llama.py). Sliding windows change no feature.
+  Gemma 3              index 0 is the embedding already multiplied by sqrt(hidden_size) (inside
+                       Gemma3TextScaledWordEmbedding, so `embed_tokens(ids)` is what layer 0 reads
+                       and what heads embed with); FINAL is Gemma's (1 + w) RMSNorm output. The
+                       engines' llama drafts embed unscaled and vLLM's gemma3.py has no EAGLE-3
+                       capture, so EAGLE / EAGLE-3 exports for Gemma are refused (export/vllm.py).
+  Rope                 a head's own layer uses the target's rope; Gemma 3 keeps one per layer type
+                       and the head takes the global ("full_attention") one (heads/base.py).
 """
 from __future__ import annotations
 
@@ -82,6 +94,9 @@ def gguf_model_dir(gguf: Path, name: str | None = None) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        add_bos = gguf_field(gguf, "tokenizer.ggml.add_bos_token")
+        if add_bos is not None and getattr(tok, "add_bos_token", None) != add_bos:
+            tok.add_bos_token = add_bos  # transformers' GGUF conversion drops it; Gemma degenerates without <bos>
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None  # dequantized already; keep save_pretrained from writing a quant config
         model.config.quantization_config = None
@@ -96,6 +111,14 @@ def gguf_model_dir(gguf: Path, name: str | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def gguf_field(gguf: Path, key: str):
+    """One metadata value of a GGUF file (None when absent)."""
+    from gguf import GGUFReader  # transformers' own dependency for GGUF loading
+
+    field = GGUFReader(str(gguf)).fields.get(key)
+    return None if field is None else field.contents()
 
 
 def fingerprint_tensors(*tensors: Tensor) -> str:
