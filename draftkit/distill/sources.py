@@ -37,9 +37,10 @@ class PromptSource:
     # Hub dataset configuration name (the `name` argument of `datasets.load_dataset`).
     name: str | None = None
     # Read the dataset as a stream (`datasets.load_dataset(..., streaming=True)`) instead of loading it
-    # whole: for sets larger than memory or disk. Records are shuffled in a buffer of `shuffle_buffer`
-    # and read only until this source's share of the run is found (at most the run's prompt count).
+    # whole: for sets larger than memory or disk. Records are read only until the run's prompt count
+    # is found (no source can contribute more), then mixed by `weight` like any source.
     streaming: bool = False
+    # Records a streaming source is shuffled in (IterableDataset.shuffle's buffer_size), with the run's seed.
     shuffle_buffer: int = 10_000
 
 
