@@ -187,3 +187,15 @@ def test_base_model_trains_end_to_end_from_a_text_file(model, base_tokenizer, tm
     assert r.returncode == 0, r.stderr[-3000:]
     assert "has no chat template: training in completion mode" in r.stderr + r.stdout
     assert (out / "head" / "model.safetensors").is_file()
+
+
+def test_recipe_format_field():
+    from draftkit.config import load_recipe
+    from draftkit.schema import ConfigError
+
+    assert load_recipe(None).data.format == "auto"
+    assert load_recipe(None, ["data.format=text"]).data.format == "text"
+    with pytest.raises(ConfigError, match="data.format"):
+        load_recipe(None, ["data.format=txt"])
+    src = load_recipe(None, ["data.sources=[{path: big.jsonl, streaming: true, weight: 2}]"]).data.sources[0]
+    assert (src.path, src.streaming, src.weight, src.shuffle_buffer) == ("big.jsonl", True, 2.0, 10_000)
