@@ -41,8 +41,13 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    # Prompt sources; empty = the target synthesizes its own prompts (Magpie).
+    # Prompt sources; empty = the target synthesizes its own prompts (Magpie, chat targets only).
     sources: list[PromptSource] = field(default_factory=list)
+    # How prompts reach the target: "chat" = its chat template (responses are assistant turns);
+    # "text" = completion mode for base models: prompts are raw text (.txt / code files, `text`
+    # fields), responses the target's continuations (draftkit/distill/text.py); "auto" = chat when
+    # the target's tokenizer has a chat template, else text (and the log says so).
+    format: Literal["auto", "chat", "text"] = "auto"
     # Magpie-style synthesis settings, used when `sources` is empty.
     synthesize: SynthesisSettings = field(default_factory=SynthesisSettings)
     # How the target regenerates responses (self-distillation).

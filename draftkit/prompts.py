@@ -10,6 +10,12 @@ Dependency-free on purpose: the trainer's loader (distill/sources.py, through `d
 | MT-bench   | `turns[str]` (+ `category`)               | the first turn only                           |
 | plain      | `prompt`                                  | the prompt                                    |
 | Alpaca     | `instruction` (+ `input`, or `instances`) | instruction, a blank line, then the input     |
+| text       | `text`                                    | the text (a user turn, or raw completion text) |
+
+Raw text (base models, completion mode: `data.format: text`) also comes from plain files, read by
+`read_text_prompts`: `.txt` / `.md` files give one prompt per paragraph (blank-line separated), any
+other text file (code) one prompt per file, a directory every such file under it. In completion
+mode a prompt's text is fed as is (`completion_text`), with no chat template.
 
 Multi-turn conversations keep their earlier turns, the dataset's own assistant replies included, as
 context: only the reply to the last user turn is answered by the target (the earlier replies are
@@ -29,8 +35,8 @@ ROLES = {
 # Keys a record's own id may sit under, first found wins (else the record's index is used).
 ID_KEYS = ("id", "question_id", "conversation_id", "prompt_id")
 # The key that marks each shape, in the order they are tried.
-SHAPES = ("conversations", "messages", "turns", "prompt", "instruction")
-_SHAPE_NAMES = "conversations (ShareGPT), messages (OpenAI), turns (MT-bench), prompt, instruction (Alpaca)"
+SHAPES = ("conversations", "messages", "turns", "prompt", "instruction", "text")
+_SHAPE_NAMES = "conversations (ShareGPT), messages (OpenAI), turns (MT-bench), prompt, instruction (Alpaca), text"
 
 
 def detect_shape(keys: Collection[str], path: str) -> str:
@@ -66,8 +72,8 @@ def to_messages(shape: str, r: dict) -> list[dict] | None:
                 for t in r["messages"] or []]
     elif shape == "turns":
         msgs = [{"role": "user", "content": (r["turns"] or [None])[0]}]
-    elif shape == "prompt":
-        msgs = [{"role": "user", "content": r["prompt"]}]
+    elif shape in ("prompt", "text"):
+        msgs = [{"role": "user", "content": r[shape]}]
     else:
         msgs = [{"role": "user", "content": _alpaca_text(r)}]
     if any(m["role"] is None or not isinstance(m["content"], str) for m in msgs):
@@ -76,6 +82,62 @@ def to_messages(shape: str, r: dict) -> list[dict] | None:
     if last_user is None or not msgs[last_user]["content"].strip():
         return None
     return msgs[: last_user + 1]
+
+
+# ---- raw text (completion mode) ------------------------------------------------------------------
+# Files read as paragraphs; any other text file (code, ...) is one prompt as a whole.
+PARAGRAPH_SUFFIXES = (".txt", ".md", ".text")
+# Longest raw-text prompt in characters: a longer paragraph or file is cut at the last line break
+# before it (a completion prompt is the start of a document; the target writes the continuation).
+TEXT_PROMPT_CHARS = 2000
+
+
+def read_text_prompts(path, max_chars: int = TEXT_PROMPT_CHARS) -> list[tuple[str, str]]:
+    """(id, text) raw-text prompts of a file or a directory of files (see the module docstring).
+
+    ValueError naming the path when it holds no text; files that are not UTF-8 text inside a
+    directory are skipped, a single such file is an error."""
+    from pathlib import Path
+
+    root = Path(path)
+    if root.is_dir():
+        files = sorted(f for f in root.rglob("*") if f.is_file() and not any(
+            part.startswith(".") for part in f.relative_to(root).parts))
+    elif root.is_file():
+        files = [root]
+    else:
+        raise FileNotFoundError(f"raw-text prompts: no such file or directory: {root}")
+    out = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            if f == root:
+                raise ValueError(f"{f}: not a UTF-8 text file") from None
+            continue
+        label = f.relative_to(root).as_posix() if f != root else f.stem
+        if f.suffix in PARAGRAPH_SUFFIXES:
+            pieces = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n")]
+        else:
+            pieces = [text.rstrip()]
+        out += [(f"{label}:{i}", cut_text(p, max_chars)) for i, p in enumerate(pieces) if p.strip()]
+    if not out:
+        raise ValueError(f"{root}: no raw-text prompts (empty files, or no UTF-8 text files)")
+    return out
+
+
+def cut_text(text: str, max_chars: int) -> str:
+    """`text` up to max_chars, cut at the last line break before the limit when there is one."""
+    if len(text) <= max_chars:
+        return text
+    head = text[:max_chars]
+    return head[: head.rindex("\n")] if "\n" in head else head
+
+
+def completion_text(messages: list[dict]) -> str:
+    """The raw text a completion-mode prompt feeds the target: the turns' contents, blank-line joined
+    (one turn for every raw-text source; `draftkit eval`'s encode joins them the same way)."""
+    return "\n\n".join(m["content"] for m in messages)
 
 
 def record_id(r: dict, index: int):

@@ -6,6 +6,18 @@ Feature layer convention (written into every head's config as `layer_convention`
                        convention of the EAGLE-3 reference, vLLM and SGLang aux layer ids.
   FINAL (-1)         = the output of the final norm, the tensor the lm_head reads
                        (EAGLE-1's and Medusa's feature; transformers 5.x `hidden_states[-1]`).
+
+Per architecture (tests/test_architectures.py checks each on a tiny random model):
+  Llama, Mistral, Qwen2, Qwen3  index 0 is the token embedding as is; i is the sum the engines'
+                       llama.py / qwen2.py / qwen3.py capture as `hidden_states + residual` before
+                       layer i (Mistral runs on vLLM's llama.py). Sliding windows change no feature.
+  Gemma 3              index 0 is the embedding already multiplied by sqrt(hidden_size) (inside
+                       Gemma3TextScaledWordEmbedding, so `embed_tokens(ids)` is what layer 0 reads
+                       and what heads embed with); FINAL is Gemma's (1 + w) RMSNorm output. The
+                       engines' llama drafts embed unscaled and vLLM's gemma3.py has no EAGLE-3
+                       capture, so EAGLE / EAGLE-3 exports for Gemma are refused (export/vllm.py).
+  Rope                 a head's own layer uses the target's rope; Gemma 3 keeps one per layer type
+                       and the head takes the global ("full_attention") one (heads/base.py).
 """
 from __future__ import annotations
 
@@ -66,8 +78,14 @@ def embedded_gguf_path() -> Path:
 
 def embedded_model_dir() -> Path:
     """Convert the embedded GGUF once into a safetensors directory; later loads take < 2 s."""
-    gguf = embedded_gguf_path()
-    out = cache_root() / "models" / f"{EMBEDDED_NAME}-{gguf.stat().st_size}"
+    return gguf_model_dir(embedded_gguf_path(), EMBEDDED_NAME)
+
+
+def gguf_model_dir(gguf: Path, name: str | None = None) -> Path:
+    """A GGUF file dequantized once into a safetensors model directory (cached under cache_root(),
+    written atomically): what serving engines load as the verifier of a head trained on the GGUF."""
+    name = name or gguf.stem
+    out = cache_root() / "models" / f"{name}-{gguf.stat().st_size}"
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -76,10 +94,13 @@ def embedded_model_dir() -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        add_bos = gguf_field(gguf, "tokenizer.ggml.add_bos_token")
+        if add_bos is not None and getattr(tok, "add_bos_token", None) != add_bos:
+            tok.add_bos_token = add_bos  # transformers' GGUF conversion drops it; Gemma degenerates without <bos>
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None  # dequantized already; keep save_pretrained from writing a quant config
         model.config.quantization_config = None
-        model.config.name_or_path = EMBEDDED_NAME
+        model.config.name_or_path = name
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
@@ -90,6 +111,14 @@ def embedded_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def gguf_field(gguf: Path, key: str):
+    """One metadata value of a GGUF file (None when absent)."""
+    from gguf import GGUFReader  # transformers' own dependency for GGUF loading
+
+    field = GGUFReader(str(gguf)).fields.get(key)
+    return None if field is None else field.contents()
 
 
 def fingerprint_tensors(*tensors: Tensor) -> str:
@@ -203,7 +232,7 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
         if p.suffix == ".gguf":
             if not p.is_file():
                 raise TargetError(f"target.path: GGUF file not found: {p}")
-            src, kwargs["gguf_file"] = p.parent, p.name
+            src = gguf_model_dir(p)  # dequantized once (minutes for a large vocabulary), then seconds
         elif p.exists():
             if not p.is_dir() or not (gguf_file or (p / "config.json").is_file()):
                 raise TargetError(f"target.path: {p} is not a model directory (no config.json)")

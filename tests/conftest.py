@@ -84,3 +84,46 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# The architectures users bring besides llama, as tiny random targets. Each keeps what sets it apart
+# from llama: Qwen2 attention biases, Qwen3 q/k norms, Gemma 3 sliding-window + global layers, a
+# scaled embedding and its extra (1 + w) norms, Mistral a sliding window on every layer. Windows of
+# 4 tokens, so that the verify loop's rolled-back holes and ragged padding fall inside them.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
+WINDOW = 4
+
+
+def make_arch_target(arch: str, vocab: int = 96, hidden: int = 32, layers: int = 4, seed: int = 0,
+                     dtype=torch.float32):
+    """A tiny random target of `arch` whose greedy output varies (init std 0.2, and the weights
+    that start at zero or one, biases and norms, drawn at random so they matter)."""
+    import transformers as tf
+
+    from draftkit.target import Target
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    if arch == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg, cls = tf.Qwen3Config(**common), tf.Qwen3ForCausalLM
+    elif arch == "mistral":
+        cfg, cls = tf.MistralConfig(**common, sliding_window=WINDOW), tf.MistralForCausalLM
+    elif arch == "gemma3":
+        kinds = ["sliding_attention", "sliding_attention", "full_attention"]
+        cfg = tf.Gemma3TextConfig(**common, sliding_window=WINDOW, query_pre_attn_scalar=hidden // 4,
+                                  layer_types=[kinds[i % 3] for i in range(layers)])
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(f"unknown architecture {arch!r}; known: {ARCHITECTURES}")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # zeros / ones at init: make them count
+                p.add_(torch.randn_like(p) * 0.2)
+    return Target(model.to(dtype), None, name=f"tiny-{arch}-{seed}")

@@ -72,20 +72,22 @@ class Conversation:
 def regenerate(
     model, tokenizer, prompts: list[Prompt], settings: GenerationSettings, cache_dir: Path, *,
     target_id: str, rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
-    progress: bool = True,
+    progress: bool = True, fmt: str = "chat",
 ) -> list[Conversation]:
     """Answer every prompt with the target (or read the answer from the cache), in prompt order.
+
+    fmt "chat" renders prompts with the chat template, "text" feeds their raw text (distill/text.py).
 
     With world_size > 1 rank r generates the uncached prompts i with i % world_size == r, then
     `barrier()` is called and every rank reads all results from the shared `cache_dir`.
     """
     cache = _cache_dir(cache_dir, settings, target_id)
-    keys = [response_key(p, settings, target_id) for p in prompts]
+    keys = [response_key(p, settings, target_id, fmt) for p in prompts]
     done = read_cached(cache)
     todo = [i for i, k in enumerate(keys) if k not in done and i % world_size == rank]
     if todo:
         _generate_into_cache(model, tokenizer, [prompts[i] for i in todo], [keys[i] for i in todo],
-                             settings, cache, progress=progress and rank == 0)
+                             settings, cache, progress=progress and rank == 0, fmt=fmt)
     if world_size > 1:
         if barrier is None:
             raise ValueError("regenerate: world_size > 1 needs a barrier to share results")
@@ -98,9 +100,11 @@ def regenerate(
             for p, k in zip(prompts, keys)]
 
 
-def response_key(prompt: Prompt, settings: GenerationSettings, target_id: str) -> str:
-    payload = json.dumps({"messages": prompt.messages, "settings": settings.fingerprint(target_id)},
-                         sort_keys=True)
+def response_key(prompt: Prompt, settings: GenerationSettings, target_id: str, fmt: str = "chat") -> str:
+    payload = {"messages": prompt.messages, "settings": settings.fingerprint(target_id)}
+    if fmt != "chat":  # the same prompt as raw text is another input (chat keys stay as they were)
+        payload["format"] = fmt
+    payload = json.dumps(payload, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -119,9 +123,12 @@ def _cache_dir(cache_dir: Path, settings: GenerationSettings, target_id: str) ->
     return Path(cache_dir) / f"responses-{tag}"
 
 
-def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path, progress: bool):
+def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path, progress: bool, fmt: str = "chat"):
+    from .text import completion_ids
+
     cache.mkdir(parents=True, exist_ok=True)
-    ids = [chat_ids(tokenizer, p.messages, add_generation_prompt=True) for p in prompts]
+    ids = [completion_ids(tokenizer, p.messages) if fmt == "text" else
+           chat_ids(tokenizer, p.messages, add_generation_prompt=True) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))  # similar lengths: less padding
     bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not progress)
     n_tokens, t0 = 0, time.perf_counter()

@@ -16,14 +16,17 @@ from .grounded import GroundedSettings, grounded_prompts
 from .regenerate import Conversation, GenerationSettings, chat_ids, end_of_turn_ids, regenerate
 from .sources import Prompt, PromptSource, load_prompts
 from .synthesize import SynthesisSettings, synthesize_cached
+from .text import tokenize_completion
 
 log = logging.getLogger(__name__)
 
 
 def build_samples(
     tokenizer, conversations: list[Conversation], max_length: int, overlong: str = "truncate",
+    fmt: str = "chat",
 ) -> tuple[list[dict], dict]:
-    """Tokenize conversations into {input_ids, loss_mask}; `overlong` is "truncate" or "drop".
+    """Tokenize conversations into {input_ids, loss_mask}; `overlong` is "truncate" or "drop";
+    fmt "text": raw-text prompt + continuation (distill/text.py), else the chat template.
 
     Truncation cuts from the right. A sample left without any assistant token is dropped.
     Returns (samples, stats) with stats: kept, truncated, dropped_overlong, dropped_no_assistant,
@@ -35,7 +38,7 @@ def build_samples(
                  dropped_template=0, tokens=0, assistant_tokens=0)
     samples = []
     for conv in conversations:
-        sample = tokenize_conversation(tokenizer, conv)
+        sample = tokenize_completion(tokenizer, conv) if fmt == "text" else tokenize_conversation(tokenizer, conv)
         if sample is None:
             stats["dropped_template"] += 1
             continue
@@ -95,6 +98,7 @@ def prepare_samples(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     progress: bool = True,
+    fmt: str = "chat",
 ) -> tuple[list[dict], list[Prompt], dict]:
     """Prompts -> target responses -> token samples, sized to the run.
 
@@ -102,11 +106,21 @@ def prepare_samples(
     Magpie-style, when `sources` is None), num_plain = num_samples minus the grounded share. The
     first num_holdout are held aside for evaluation and never trained on; the target answers the
     others, and then the grounded prompts built from those answers (distill/grounded.py).
+    fmt "text" (completion mode, distill/text.py) needs `sources`: Magpie synthesis needs a chat template.
     Returns (train_samples, holdout_prompts, stats).
     """
+    if fmt == "text" and not sources:
+        raise ValueError(
+            "data.sources is empty, so prompts would be synthesized Magpie-style, which needs a chat template, "
+            "and this run is in completion mode (data.format: text: a base model, or a target without a chat "
+            "template). Give raw-text prompts: data.sources: [{path: corpus.txt}] (.txt/.md paragraphs, code "
+            "files or a directory of them, JSONL records with a `text` field, a dataset with a `text` column)")
     generation = generation or GenerationSettings()
     grounded = grounded or GroundedSettings()
     num_grounded = round(num_samples * grounded.fraction)
+    if fmt == "text" and num_grounded:  # its tasks are chat instructions ("Summarize ..."): no use to a base model
+        log.warning("data.grounded.fraction %s ignored in completion mode (data.format: text)", grounded.fraction)
+        num_grounded = 0
     need = num_samples - num_grounded + num_holdout
     if sources:
         prompts = load_prompts(sources, limit=need, seed=seed)
@@ -115,12 +129,12 @@ def prepare_samples(
                                     Path(cache_dir), target_id=target_id, seed=seed, rank=rank,
                                     world_size=world_size, barrier=barrier, progress=progress)
     holdout, train = prompts[:num_holdout], prompts[num_holdout:]
-    common = dict(target_id=target_id, rank=rank, world_size=world_size, barrier=barrier, progress=progress)
+    common = dict(target_id=target_id, rank=rank, world_size=world_size, barrier=barrier, progress=progress, fmt=fmt)
     convs = regenerate(model, tokenizer, train, generation, Path(cache_dir), **common)
     if num_grounded:
         tasks = grounded_prompts(convs, num_grounded, grounded, seed=seed)
         convs = convs + regenerate(model, tokenizer, tasks, generation, Path(cache_dir), **common)
-    samples, stats = build_samples(tokenizer, convs, max_length, overlong)
+    samples, stats = build_samples(tokenizer, convs, max_length, overlong, fmt)
     stats.update(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
                  responses_truncated=sum(c.truncated for c in convs),
                  response_tokens=sum(c.num_tokens for c in convs),

@@ -1,8 +1,11 @@
-"""Prompt sources: JSON/JSONL files, `save_to_disk` directories or hub datasets -> `Prompt`s.
+"""Prompt sources: JSON/JSONL files, `save_to_disk` directories, hub datasets or raw text -> `Prompt`s.
 
-Every source goes through `datasets`, imported only when a source is read (so `draftkit.distill`
-imports without it). A record's shape is recognised from its columns, and turned into chat
-messages, by `draftkit.prompts` (the table of shapes is there), which `draftkit eval` shares.
+Every dataset source goes through `datasets`, imported only when a source is read (so
+`draftkit.distill` imports without it). A record's shape is recognised from its columns, and turned
+into chat messages, by `draftkit.prompts` (the table of shapes is there), which `draftkit eval`
+shares. Raw-text files (.txt, .md, code) and directories of them are read by
+`draftkit.prompts.read_text_prompts`: prompts for completion mode (`data.format: text`).
+A `streaming` source is read lazily (larger than memory): only as many records as the run needs.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftkit.prompts import detect_shape, record_id, to_messages
+from draftkit.prompts import detect_shape, read_text_prompts, record_id, to_messages
 
 if TYPE_CHECKING:
     import datasets
@@ -33,6 +36,12 @@ class PromptSource:
     split: str = "train"
     # Hub dataset configuration name (the `name` argument of `datasets.load_dataset`).
     name: str | None = None
+    # Read the dataset as a stream (`datasets.load_dataset(..., streaming=True)`) instead of loading it
+    # whole: for sets larger than memory or disk. Records are read only until the run's prompt count
+    # is found (no source can contribute more), then mixed by `weight` like any source.
+    streaming: bool = False
+    # Records a streaming source is shuffled in (IterableDataset.shuffle's buffer_size), with the run's seed.
+    shuffle_buffer: int = 10_000
 
 
 @dataclass
@@ -62,7 +71,7 @@ def load_prompts(sources: list[PromptSource], limit: int | None, seed: int) -> l
     pools, seen = [], set()
     for src in sources:
         pool = []
-        for p in _load_source(src):
+        for p in _load_source(src, limit, seed):
             if p.key() not in seen:  # the same prompt twice (in one source or across) is kept once
                 seen.add(p.key())
                 pool.append(p)
@@ -102,9 +111,22 @@ def _quotas(sizes: list[int], weights: list[float], limit: int) -> list[int]:
     return quotas
 
 
-def _load_source(src: PromptSource) -> list[Prompt]:
+def _load_source(src: PromptSource, limit: int | None = None, seed: int = 0) -> list[Prompt]:
+    if is_raw_text(Path(src.path)):
+        prompts = [Prompt([{"role": "user", "content": text}], None, i) for i, text in read_text_prompts(src.path)]
+        log.info("%s: %d raw-text prompts", src.path, len(prompts))
+        return prompts
+    if src.streaming and limit is None:
+        raise ValueError(f"{src.path}: a streaming source needs a prompt count to stop at (data.num_prompts, "
+                         "or train.max_steps sizes it)")
     ds = _open_dataset(src)
-    shape = detect_shape(ds.column_names, src.path)
+    if src.streaming:  # IterableDataset: no length, columns may only be known from a record
+        ds = ds.shuffle(seed=seed, buffer_size=src.shuffle_buffer)
+        first = next(iter(ds), None)
+        columns = ds.column_names or (list(first) if first else [])
+    else:
+        columns = ds.column_names
+    shape = detect_shape(columns, src.path)
     label = Path(src.path).stem if Path(src.path).exists() else src.path
     prompts, dropped = [], 0
     for i, record in enumerate(ds):
@@ -113,8 +135,24 @@ def _load_source(src: PromptSource) -> list[Prompt]:
             dropped += 1
             continue
         prompts.append(Prompt(messages, record.get("category") or None, f"{label}:{record_id(record, i)}"))
+        if src.streaming and len(prompts) >= limit:  # no source can give more than the whole run
+            break
     log.info("%s: %d prompts (%s), %d records dropped", src.path, len(prompts), shape, dropped)
     return prompts
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
+
+
+def is_raw_text(path: Path) -> bool:
+    """A local text file that is not JSON/data, or a directory that holds no data files and is not a
+    saved dataset: raw-text prompts (draftkit.prompts.read_text_prompts)."""
+    if path.is_file():
+        return path.suffix not in DATA_SUFFIXES
+    if path.is_dir():
+        saved = (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
+        return not saved and not any(f.suffix in DATA_SUFFIXES for f in path.rglob("*") if f.is_file())
+    return False
 
 
 def _open_dataset(src: PromptSource) -> datasets.Dataset:
@@ -123,11 +161,14 @@ def _open_dataset(src: PromptSource) -> datasets.Dataset:
     path = Path(src.path)
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))
-        return ds[src.split] if isinstance(ds, datasets.DatasetDict) else ds
+        ds = ds[src.split] if isinstance(ds, datasets.DatasetDict) else ds
+        return ds.to_iterable_dataset() if src.streaming else ds
     if path.is_file():
         if path.suffix not in (".json", ".jsonl"):
-            raise ValueError(f"{path}: prompt files must be .json or .jsonl")
-        return datasets.load_dataset("json", data_files=str(path), split="train")
+            raise ValueError(f"{path}: data files given as a prompt file must be .json or .jsonl "
+                             "(a directory of parquet/csv files is read by `datasets`)")
+        return datasets.load_dataset("json", data_files=str(path), split="train", streaming=src.streaming)
     if path.suffix in (".json", ".jsonl"):
         raise FileNotFoundError(f"prompt file not found: {path}")
-    return datasets.load_dataset(src.path, src.name, split=src.split)  # a hub dataset id
+    # a hub dataset id, or a local directory of data files
+    return datasets.load_dataset(src.path, src.name, split=src.split, streaming=src.streaming)

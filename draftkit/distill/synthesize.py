@@ -44,6 +44,10 @@ class SynthesisSettings:
 
 def magpie_prefix(tokenizer) -> str:
     """The chat template rendered up to where the first user message's content would start."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("Magpie prompt synthesis needs a chat template and this tokenizer has none (a base "
+                         "model?): give raw-text prompts instead (training: data.sources with data.format: text; "
+                         "draftkit eval: --prompts FILE.txt)")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False)
     if _MARKER not in text:
         raise ValueError("chat template does not render the user message; cannot build a Magpie prefix")

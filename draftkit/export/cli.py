@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "EAGLE-1): export it drafting over the full target vocabulary instead of refusing")
     add_target_argument(parser, "check the head against this target first; needed when the engine "
                                 "must store a tensor the head shares with the target")
+    parser.add_argument("--verifier", default=None, metavar="ID_OR_PATH",
+                        help="the model the export names as the head's verifier (a model directory or hub id); "
+                             "default: the target it was trained on (its directory or hub id; a GGUF or the "
+                             "embedded target: the safetensors directory it converts into). Checked against the "
+                             "head's target fingerprint: refused when it differs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = export_head(args.head_dir, args.format, args.out, target=load_target_arg(args.target),
-                          overwrite=args.overwrite, dtype=args.dtype, full_vocab=args.full_vocab)
+                          overwrite=args.overwrite, dtype=args.dtype, full_vocab=args.full_vocab,
+                          verifier=args.verifier)
     except (ExportError, HeadError, TargetError) as e:
         print(f"draftkit export: error: {e}", file=sys.stderr)
         return 1

@@ -106,6 +106,13 @@ def describe(contract: dict) -> list[str]:
         f"d2t: {contract.get('d2t_convention')}",
         *([f"draft vocabulary: {contract['draft_vocab']}"] if contract.get("draft_vocab") else []),
         f"recipe hash: {contract.get('recipe_hash')}",
+        *([verifier_line(contract["verifier"])] if contract.get("verifier") else []),
     ]
+
+
+def verifier_line(v: dict) -> str:
+    checked = (f"checked: fingerprint {v.get('fingerprint')}" if v.get("checked")
+               else "NOT CHECKED against the head's target")
+    return f"verifier: {v.get('name_or_path')} ({checked})" + (f"; {v['note']}" if v.get("note") else "")
 
 

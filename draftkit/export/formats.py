@@ -49,6 +49,7 @@ class Context:
     native: dict[str, Any]  # full native config.json (family fields, target info, recipe_hash)
     target: Any = None  # draftkit.target.Target | None
     contract: dict[str, Any] | None = None  # on import: the contract found in the directory
+    verifier: dict[str, Any] | None = None  # on export: the verifier it names (export/verifier.py)
 
     def table(self, layout: "Layout") -> tuple:
         return layout.names(self.native) if callable(layout.names) else layout.names
@@ -98,6 +99,26 @@ def register(layout: Layout) -> Layout:
 
 def refuse(fmt: str, family: str, why: str) -> None:
     REFUSALS[(fmt, family)] = why
+
+
+# (format, family, target model_type) -> why that engine cannot serve the head for that target
+TARGET_REFUSALS: dict[tuple[str, str, str], str] = {}
+
+
+def refuse_target(fmt: str, families: tuple[str, ...], model_types: tuple[str, ...], why: str) -> None:
+    for family in families:
+        for model_type in model_types:
+            TARGET_REFUSALS[(fmt, family, model_type)] = why
+
+
+def check_target_architecture(fmt: str, native: dict) -> None:
+    """Refuse an export whose engine would serve the head wrongly for the target it was trained on."""
+    t = native.get("target") or {}
+    why = TARGET_REFUSALS.get((fmt, native["family"], t.get("model_type")))
+    if why:
+        raise ExportError(f"format {fmt!r} cannot serve this '{native['family']}' head for its target "
+                          f"{t.get('name')} (model_type {t.get('model_type')}): {why}. The draftkit format "
+                          "keeps it (draftkit eval runs it)")
 
 
 def layout_for(fmt: str, family: str) -> Layout:
@@ -377,12 +398,15 @@ def drop_draft_vocab(native: dict, state: dict[str, Tensor], layout: Layout, ful
 
 
 def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None, overwrite: bool = False,
-                dtype: str | None = None, full_vocab: bool = False) -> Path:
+                dtype: str | None = None, full_vocab: bool = False, verifier: str | None = None) -> Path:
     """Convert a native head directory into `fmt` at `out`, checked against the engine's layout.
 
     full_vocab: for a head with a draft vocabulary (d2t) and an engine layout without one, export
-    it drafting over the full target vocabulary (recorded in the contract) instead of refusing."""
+    it drafting over the full target vocabulary (recorded in the contract) instead of refusing.
+    verifier: the model directory or hub id the export names as the head's verifier (default: the
+    target it was trained on, export/verifier.py), checked against the head's target fingerprint."""
     from draftkit.export.contract import make_contract
+    from draftkit.export.verifier import VerifierError, resolve_verifier
 
     native, state = read_native(Path(head_dir))
     family = native["family"]
@@ -390,6 +414,7 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
         layout = None
     else:
         layout = layout_for(fmt, family)
+        check_target_architecture(fmt, native)
     if dtype is not None:
         from draftkit.target import DTYPES
         if dtype not in DTYPES:
@@ -401,11 +426,15 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
         if problems:
             raise ExportError(f"{head_dir}: does not fit target {target.name}: " + "; ".join(problems))
     where = f"{fmt} export of {family} head {head_dir}"
+    try:
+        named = resolve_verifier(native, verifier)
+    except VerifierError as e:
+        raise ExportError(f"{head_dir}: {e}") from e
     if layout is None:
-        contract = make_contract(native, state, "draftkit", None)
+        contract = {**make_contract(native, state, "draftkit", None), "verifier": named}
         return write_dir(Path(out), {**native_out(native, state), CONTRACT_KEY: contract}, state, overwrite,
                          metadata={"draftkit_family": family})
-    ctx = Context(native=native, target=target)
+    ctx = Context(native=native, target=target, verifier=named)
     dropped = None
     if "d2t" in state and not _matches("d2t", ctx.table(layout), reverse=False):
         native, state, dropped = drop_draft_vocab(native, state, layout, full_vocab, where)
@@ -414,7 +443,7 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
     config = layout.config_out(native, ctx)
     config.setdefault("torch_dtype", dtype_name(tensors))
     check_tensors(tensors, layout.expected(config), where)
-    contract = make_contract(native, tensors, fmt, layout)
+    contract = {**make_contract(native, tensors, fmt, layout), "verifier": named}
     if dropped:
         contract["draft_vocab"] = dropped
     if layout.sidecar:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from draftkit.export.formats import Context, ExportError, Layout, llama_config_in, llama_config_out, refuse, register
-from draftkit.export.vllm import (EAGLE3_NAMES, EAGLE_NAMES, eagle3_config_in, eagle3_config_out, eagle3_shapes,
-                                  eagle3_tensors_in, eagle3_tensors_out, eagle_shapes)
+from draftkit.export.formats import (Context, ExportError, Layout, llama_config_in, llama_config_out, refuse,
+                                     refuse_target, register)
+from draftkit.export.vllm import (EAGLE3_NAMES, EAGLE_NAMES, GEMMA_EMBEDDING, GEMMA_TYPES, eagle3_config_in,
+                                  eagle3_config_out, eagle3_shapes, eagle3_tensors_in, eagle3_tensors_out, eagle_shapes)
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------
 # python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle / LlamaModel):
@@ -95,3 +96,5 @@ refuse("sglang", "medusa", "SGLang has no Medusa drafter (python/sglang/srt/mode
        "NextN/MTP only); export --format vllm")
 refuse("sglang", "mtp", "SGLang's MTP drafters (deepseek_nextn.py, ...) use the target family's own decoder "
        "layer, and draftkit's MTP depth is a llama layer: no faithful SGLang layout")
+refuse_target("sglang", ("eagle", "eagle3"), GEMMA_TYPES,
+              GEMMA_EMBEDDING.format(src="python/sglang/srt/models/llama_eagle*.py"))

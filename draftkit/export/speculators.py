@@ -6,9 +6,9 @@ vllm/transformers_utils/configs/speculators/{base,algos}.py.
 """
 from __future__ import annotations
 
-from draftkit.export.formats import Context, ExportError, Layout, Shapes, refuse, register
-from draftkit.export.vllm import (VLLM_LAYERS, eagle3_config_in, eagle3_config_out, eagle3_shapes, eagle3_tensors_in,
-                                  eagle3_tensors_out)
+from draftkit.export.formats import Context, ExportError, Layout, Shapes, refuse, refuse_target, register
+from draftkit.export.vllm import (GEMMA_EMBEDDING, GEMMA_TYPES, VLLM_LAYERS, eagle3_config_in, eagle3_config_out,
+                                  eagle3_shapes, eagle3_tensors_in, eagle3_tensors_out)
 
 # speculators ships model classes for eagle3, mtp, dflash, dspark and peagle (src/speculators/models/);
 # EAGLE-1 and Medusa have none there, and vLLM's speculators algos.py registers no updater for them.
@@ -59,7 +59,9 @@ def _eagle3_out(n: dict, ctx: Context) -> dict:
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": t.get("name"), "architectures": [t["architecture"]] if t.get("architecture") else []},
+            # the exact model the head was trained against, as an engine resolves it (export/verifier.py)
+            "verifier": {"name_or_path": (ctx.verifier or {}).get("name_or_path") or t.get("name"),
+                         "architectures": [t["architecture"]] if t.get("architecture") else []},
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": n["draft_vocab_size"],
@@ -85,3 +87,6 @@ register(Layout(
     optional=lambda c: {"embed_tokens.weight": (_layer_config(c)["vocab_size"], _layer_config(c)["hidden_size"])},
     tensors_out=eagle3_tensors_out, tensors_in=eagle3_tensors_in, layer_convention=VLLM_LAYERS,
     d2t_convention="offset: target_id = draft_id + d2t[draft_id] (speculators DraftVocabMixin, vLLM llama_eagle3.py)"))
+refuse_target("speculators", ("eagle3",), GEMMA_TYPES,
+              GEMMA_EMBEDDING.format(src="speculators' Eagle3 draft (and vLLM's llama_eagle3.py serving it)")
+              + "; vLLM's gemma3.py implements no SupportsEagle3")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from draftkit.export.formats import (
-    Context, ExportError, Layout, Shapes, check_shared, llama_config_in, llama_config_out, llama_layer_shapes, refuse, register,
+    Context, ExportError, Layout, Shapes, check_shared, llama_config_in, llama_config_out, llama_layer_shapes, refuse,
+    refuse_target, register,
     zero_bias_dropped)
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------
@@ -242,3 +243,16 @@ MTP_REFUSAL = ("vLLM's MTP drafters (deepseek_mtp.py, mimo_mtp.py, glm4_moe_mtp.
                "use the target family's own decoder layer (MLA/MoE, qkv-bias, ...), and draftkit's MTP depth "
                "is a llama layer: no faithful vLLM layout")
 refuse("vllm", "mtp", MTP_REFUSAL)
+
+# ---- targets the llama drafts cannot serve -------------------------------------------------------
+# Gemma targets multiply the token embedding by sqrt(hidden_size) inside the model (HF
+# Gemma3TextScaledWordEmbedding; vLLM gemma3.py get_input_embeddings applies its `normalizer`), and
+# draftkit's heads are trained on that scaled embedding. vLLM's llama_eagle.py / llama_eagle3.py
+# call the shared embed_tokens directly, unscaled; vLLM's gemma3.py Gemma3ForCausalLM does not
+# implement SupportsEagle3 either, so it cannot hand EAGLE-3 its aux hidden states.
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+GEMMA_EMBEDDING = ("the target scales its token embedding by sqrt(hidden_size) inside the model and the head "
+                   "was trained on that, but {src} embeds draft tokens with the target's embed_tokens unscaled")
+refuse_target("vllm", ("eagle", "eagle3"), GEMMA_TYPES,
+              GEMMA_EMBEDDING.format(src="vllm/model_executor/models/llama_eagle*.py")
+              + " (and vLLM's gemma3.py implements no SupportsEagle3)")

@@ -90,6 +90,8 @@ class HeadConfig:
         self.rms_norm_eps = float(getattr(c, "rms_norm_eps", 1e-5))
         rope = getattr(c, "rope_parameters", None) or {"rope_type": "default",
                                                         "rope_theta": getattr(c, "rope_theta", 10000.0)}
+        # Gemma 3 keeps one rope per layer type; the head's layer is a global-attention llama layer.
+        rope = rope.get("full_attention", rope) if "rope_type" not in rope else rope
         self.rope_parameters = dict(rope)
         self.max_position_embeddings = getattr(c, "max_position_embeddings", 4096)
         self.target = target.info()

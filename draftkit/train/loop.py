@@ -69,11 +69,13 @@ def samples_needed(recipe: Recipe, global_batch: int) -> int:
 def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -> Prepared:
     """Prompts -> target responses -> token samples (cached, content-keyed), plus held-aside ones."""
     from draftkit.distill import build_samples, prepare_samples, regenerate
+    from draftkit.distill.text import resolve_format
 
     d = recipe.data
+    fmt = resolve_format(d.format, target.tokenizer, target.name)
     cache = Path(d.cache_dir) if d.cache_dir else cache_root() / "data"
     common = dict(cache_dir=cache, target_id=f"{target.name}:{target.fingerprint}", rank=dist.rank,
-                  world_size=dist.world_size, barrier=barrier, progress=dist.is_main)
+                  world_size=dist.world_size, barrier=barrier, progress=dist.is_main, fmt=fmt)
     train, holdout_prompts, stats = prepare_samples(
         target.model, target.tokenizer, sources=d.sources or None, num_samples=num_samples,
         num_holdout=d.holdout, max_length=d.max_length, overlong=d.overlong, generation=d.responses,
@@ -83,7 +85,7 @@ def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -
     holdout = []
     if holdout_prompts:
         convs = regenerate(target.model, target.tokenizer, holdout_prompts, d.responses, **common)
-        holdout, _ = build_samples(target.tokenizer, convs, d.max_length, d.overlong)
+        holdout, _ = build_samples(target.tokenizer, convs, d.max_length, d.overlong, fmt)
     return Prepared(train, holdout, holdout_prompts, stats)
 
 
