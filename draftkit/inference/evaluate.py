@@ -35,7 +35,7 @@ from draftkit.inference.decoder import (ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL
 from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams
-from draftkit.prompts import no_prompts_message, record_id, record_messages
+from draftkit.prompts import no_prompts_message, read_text_prompts, record_id, record_messages
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ class EvalPrompt:
 def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
     """Dependency-free reader for .json / .jsonl prompt files (the shapes of draftkit/prompts.py)."""
     path = Path(path)
+    if path.is_dir() or (path.is_file() and path.suffix not in (".json", ".jsonl")):
+        try:  # raw text (.txt/.md paragraphs, code files, a directory of them): completion prompts
+            return [EvalPrompt([{"role": "user", "content": t}], None, pid) for pid, t in read_text_prompts(path)]
+        except ValueError as e:
+            raise SpecError(f"--prompts {path}: {e}") from e
     if not path.is_file():
         raise SpecError(f"--prompts: no such file: {path}")
     text = path.read_text()
@@ -416,7 +421,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", help="head directory (<output_dir>/head, or the output_dir itself); "
                                   "without it only prompt lookup (n-gram) is measured")
     p.add_argument("--target", help="target model dir / .gguf / hub id (default: the embedded SmolLM2-135M)")
-    p.add_argument("--prompts", nargs="+", help=".json/.jsonl prompt files (default: prompts synthesized by the target)")
+    p.add_argument("--prompts", nargs="+", help=".json/.jsonl prompt files, or raw text for base models (.txt/.md: "
+                                                "one prompt per paragraph; code files; directories); default: "
+                                                "prompts synthesized by the target (needs a chat template)")
     p.add_argument("--draft", default="auto", choices=["auto", "calibrate", *MODES],
                    help="how the head drafts: auto (default) = the head config's `draft:` section, measured and "
                         "written there on first use; calibrate = measure again; chain | tree | hybrid | lookup = "
@@ -510,7 +517,10 @@ def run(args) -> int:
             measure = False
         if not args.prompts:
             print(f"no --prompts: synthesizing {args.num_synthesized} prompts with the target", file=sys.stderr)
-            prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
+            try:
+                prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
+            except ValueError as e:  # a base model has no chat template: Magpie cannot run
+                raise SpecError(str(e)) from e
             if not prompts:
                 raise SpecError("the target synthesized no usable prompts; pass --prompts FILE")
         if args.limit is not None:
