@@ -19,6 +19,7 @@ import torch
 
 from draftkit.export import ExportError, export_head, import_head
 from draftkit.heads import build_head, load_head
+from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.decoder import SpecDecoder
 from draftkit.target import FINAL
 from tests.conftest import fit, fit_on_greedy_continuations, make_arch_target
@@ -150,6 +151,12 @@ def test_greedy_lossless_ragged_trained_head(lossless_arch, family):
     out, stats = SpecDecoder(target, head, 3, stop_ids=[]).generate(rows, NEW)
     assert out == ref
     assert stats.tau > 1.0  # some drafts accepted: the roll-back paths ran with the window
+    # a tree (and the hybrid with lookup): non-accepted branches are dropped inside the window too
+    for settings in (DraftSettings(mode="tree", topk=2, depth=3, budget=6),
+                     DraftSettings(mode="hybrid", topk=2, depth=2, budget=4, lookup_len=3)):
+        drafter, kw = settings.decoder_args(head)
+        out, stats = SpecDecoder(target, drafter, stop_ids=[], **kw).generate(rows, NEW)
+        assert out == ref, settings.mode
 
 
 def make_head(family: str, target, directory):
