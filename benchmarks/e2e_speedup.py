@@ -1,12 +1,15 @@
-"""End-to-end speedup of speculative decoding over plain decoding, T = 0, batch 1, for k = 1..8.
+"""End-to-end speedup of drafting configurations over plain decoding: chain vs tree vs hybrid vs
+lookup, over sizes, batch 1, all interleaved prompt by prompt in ONE run.
 
-    python benchmarks/e2e_speedup.py --head runs/eagle/head --limit 8
-    python benchmarks/e2e_speedup.py --head runs/eagle/head --ks 2 3 4 --dtype bfloat16 --threads 2
+    python benchmarks/e2e_speedup.py --head runs/eagle/head --limit 15 --dtype bfloat16
+    python benchmarks/e2e_speedup.py --head runs/eagle/head --configs "chain k=3" "tree topk=4 depth=5 budget=16" \\
+        "hybrid topk=2 depth=4 budget=8 lookup_len=8" "lookup lookup_len=8"
 
-For each k, `draftkit.inference.evaluate` decodes the prompts with the head and plainly, interleaved
-prompt by prompt (so machine load hits both alike), and checks the outputs are identical. Without
---head the n-gram drafter is measured instead. Prompts: ../shared/data/dev/spec_bench_400.jsonl
-(--limit of them, spread evenly over the file so every category is in). Prints a table and writes JSON (--out) with tau, alpha_i and speedup per k.
+A config is a mode (chain | tree | hybrid | lookup) followed by DraftSettings fields. For every
+prompt, plain decoding and every config decode it in rotated order (so machine load hits all alike);
+at T = 0 every output is compared with plain decoding (mismatches, and bf16 near-ties).
+Prompts: ../shared/data/dev/spec_bench_400.jsonl, --limit of them spread evenly over the file so
+every category is in. Prints a table (overall and per category) and writes JSON (--out).
 """
 from __future__ import annotations
 
@@ -19,24 +22,43 @@ from pathlib import Path
 import torch
 
 from draftkit.heads import load_head
-from draftkit.inference.evaluate import evaluate, read_prompt_file, resolve_head_dir
+from draftkit.inference.decoder import PlainStats, SpecDecoder, SpecStats, compare_greedy, plain_generate
+from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.evaluate import _prepare, read_prompt_file, resolve_head_dir
+from draftkit.inference.sampling import SamplingParams
 from draftkit.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = ROOT.parent / "shared" / "data" / "dev" / "spec_bench_400.jsonl"
+DEFAULT_CONFIGS = [
+    "lookup lookup_len=8",
+    "chain k=3", "chain k=5",
+    "tree topk=2 depth=4 budget=8", "tree topk=4 depth=5 budget=16", "tree topk=8 depth=6 budget=32",
+    "hybrid topk=2 depth=4 budget=8 lookup_len=8", "hybrid topk=4 depth=5 budget=16 lookup_len=8",
+    "hybrid topk=2 depth=4 budget=8 lookup_len=8 head_off_at=4",
+]
+
+
+def parse_config(text: str) -> DraftSettings:
+    mode, *pairs = text.split()
+    fields = {}
+    for pair in pairs:
+        key, _, val = pair.partition("=")
+        fields[key] = None if val in ("none", "null") else int(val)
+    return DraftSettings(mode=mode, chosen_by="user", **fields)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head", help="head directory; without it the n-gram drafter is measured")
+    p.add_argument("--head", help="head directory (configs other than lookup need one)")
     p.add_argument("--target", help="target path (default: the embedded SmolLM2-135M)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)))
+    p.add_argument("--limit", type=int, default=15)
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ngram", action="store_true", help="also measure the n-gram drafter at every k")
     p.add_argument("--force", action="store_true", help="use a head recorded for another target")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_speedup.json"))
     args = p.parse_args()
@@ -47,37 +69,75 @@ def main() -> None:
     if args.head:
         head = load_head(resolve_head_dir(args.head), target, strict_target=not args.force)
         head.to(dtype=target.dtype).eval()
+    configs = {c: parse_config(c) for c in args.configs}
+    if head is None:
+        configs = {c: s for c, s in configs.items() if s.mode == "lookup"}
+    decoders = {}
+    for name, s in configs.items():
+        drafter, kw = s.decoder_args(head)
+        decoders[name] = SpecDecoder(target, drafter, **kw)
     everything = read_prompt_file(args.prompts)
-    prompts = everything[:: max(1, len(everything) // args.limit)][: args.limit]  # spread over the categories
-    rows = []
-    print(f"{'k':>2}  {'tau':>5}  {'tok/s':>6}  {'plain':>6}  {'speedup':>7}  {'draft ms':>8}  {'verify ms':>9}  "
-          f"{'plain ms':>8}  {'ngram tau':>9}  {'ngram x':>7}  mism  alpha_1..k", flush=True)
-    for k in args.ks:
-        t0 = time.perf_counter()
-        rep = evaluate(target, head, prompts, k=k, temperatures=[0.0], max_new_tokens=args.max_new_tokens,
-                       batch_size=1, ngram=args.ngram or head is None)
-        ng = rep.get("ngram") or {}
-        row = {key: rep.get(key) for key in ("k", "tau", "acceptance_per_position", "accepted_length_histogram",
-                                              "tokens_per_s", "baseline_tokens_per_s", "speedup",
-                                              "draft_ms_per_step", "verify_ms_per_step", "plain_ms_per_step",
-                                              "greedy_mismatches", "greedy_near_ties", "num_prompts")}
-        row.update(ngram_tau=ng.get("tau"), ngram_speedup=ng.get("speedup"), seconds=time.perf_counter() - t0)
-        rows.append(row)
-        print(f"{k:>2}  {row['tau']:5.2f}  {row['tokens_per_s']:6.1f}  {row['baseline_tokens_per_s']:6.1f}  "
-              f"{row['speedup']:6.2f}x  {row['draft_ms_per_step']:8.1f}  {row['verify_ms_per_step']:9.1f}  "
-              f"{row['plain_ms_per_step']:8.1f}  {row['ngram_tau'] or 0:9.2f}  {row['ngram_speedup'] or 0:6.2f}x  "
-              f"{row['greedy_mismatches']:>4}  " + " ".join(f"{a:.2f}" if a is not None else "-"
-                                                        for a in row["acceptance_per_position"]), flush=True)
-    best = max(rows, key=lambda r: r["speedup"] or 0)
+    chosen = everything[:: max(1, len(everything) // args.limit)][: args.limit]
+    items, _ = _prepare(target, chosen, 80, args.max_new_tokens)
+    params = SamplingParams(args.temperature)
+    names = ["plain", *decoders]
+    totals = {n: PlainStats() if n == "plain" else SpecStats(decoders[n].k) for n in names}
+    per_cat: dict[str, dict] = {}
+    outputs = {n: [] for n in names}
+    gaps = []
+    for d in decoders.values():  # warm-up, not timed
+        d.generate([items[0]["ids"]], 4)
+    plain_generate(target, [items[0]["ids"]], 4)
+    t0 = time.perf_counter()
+    for i, it in enumerate(items):
+        order = names[i % len(names):] + names[: i % len(names)]
+        cat = per_cat.setdefault(it["category"], {n: PlainStats() if n == "plain" else SpecStats(totals[n].k)
+                                                  for n in names})
+        for n in order:
+            if n == "plain":
+                out, st, g = plain_generate(target, [it["ids"]], args.max_new_tokens, params, [i],
+                                            record_gaps=params.greedy)
+                gaps += g or [[]]
+            else:
+                out, st = decoders[n].generate([it["ids"]], args.max_new_tokens, params, [i])
+            totals[n] += st
+            cat[n] += st
+            outputs[n].append(out[0])
+        print(f"  {i + 1}/{len(items)} prompts, {time.perf_counter() - t0:.0f} s", flush=True)
+
+    def row(n, stats, plain):
+        if n == "plain":
+            return {"tokens_per_s": stats.tokens_per_s}
+        d = stats.to_dict()
+        return {"tau": d["tau"], "acceptance_per_position": d["acceptance_per_position"],
+                "accepted_by_source": d["accepted_by_source"], "tokens_per_s": d["tokens_per_s"],
+                "speedup": d["tokens_per_s"] / plain.tokens_per_s if plain.tokens_per_s else None,
+                "draft_ms_per_step": d["draft_ms_per_step"], "verify_ms_per_step": d["verify_ms_per_step"]}
+
+    result_rows = {}
+    for n in names:
+        r = row(n, totals[n], totals["plain"])
+        if n != "plain" and params.greedy:
+            cmp = compare_greedy(outputs[n], outputs["plain"], gaps, target.dtype)
+            r.update(greedy_mismatches=cmp["mismatches"], greedy_near_ties=cmp["near_ties"])
+        r["per_category"] = {c: row(n, st[n], st["plain"]) for c, st in per_cat.items()}
+        result_rows[n] = r
+    cats = sorted(per_cat)
+    print(f"\n{'config':<58} {'tau':>5} {'tok/s':>6} {'speedup':>7} {'mism':>9}  " + "  ".join(f"{c[:10]:>10}" for c in cats))
+    for n, r in result_rows.items():
+        mism = f"{r.get('greedy_mismatches', '-')}/{r.get('greedy_near_ties', '-')}"
+        per = "  ".join(f"{(r['per_category'][c].get('speedup') or 1.0):9.2f}x" for c in cats)
+        print(f"{n:<58} {r.get('tau', 1.0):5.2f} {r['tokens_per_s']:6.1f} {r.get('speedup') or 1.0:6.2f}x {mism:>9}  {per}")
     result = {"head": args.head, "target": target.info(), "dtype": args.dtype, "threads": args.threads,
-              "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "prompts": args.prompts, "limit": args.limit,
+              "num_prompts": len(items), "max_new_tokens": args.max_new_tokens,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "best_k": best["k"], "best_speedup": best["speedup"], "best_tau": max(r["tau"] for r in rows),
-              "per_k": rows}
+              "configs": {n: s.to_dict() for n, s in configs.items()}, "rows": result_rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"best k={best['k']}: speedup {best['speedup']:.2f}x, tau {best['tau']:.2f}; wrote {out}")
+    out.write_text(json.dumps(result, indent=2, default=str))
+    best = max((n for n in result_rows if n != "plain"), key=lambda n: result_rows[n]["speedup"] or 0)
+    print(f"best: {best}: {result_rows[best]['speedup']:.2f}x, tau {result_rows[best]['tau']:.2f}; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def make_contract(native: dict, tensors: dict, fmt: str, layout) -> dict[str, An
         "d2t_convention": getattr(layout, "d2t_convention", None) or native_d2t_convention(native),
         "dtype": dtype_name(tensors),
         "recipe_hash": native.get("recipe_hash"),
+        "draft": native.get("draft"),  # the DraftSettings `draftkit eval --draft auto` measured, if any
         "head": {k: v for k, v in native.items() if k not in ("draftkit_format", "draftkit_contract")},
     }
 
@@ -106,8 +107,26 @@ def describe(contract: dict) -> list[str]:
         f"d2t: {contract.get('d2t_convention')}",
         *([f"draft vocabulary: {contract['draft_vocab']}"] if contract.get("draft_vocab") else []),
         f"recipe hash: {contract.get('recipe_hash')}",
+        *draft_lines(contract.get("draft")),
         *([verifier_line(contract["verifier"])] if contract.get("verifier") else []),
     ]
+
+
+def draft_lines(draft: dict | None) -> list[str]:
+    """The measured draft shape and the serving flags that reproduce it (engines size trees at launch)."""
+    if not draft:
+        return ["draft shape: not measured (run `draftkit eval --head DIR` once to choose it)"]
+    mode, k, depth, topk, budget = (draft.get(x) for x in ("mode", "k", "depth", "topk", "budget"))
+    if mode == "chain":
+        depth, topk, budget = k, 1, k
+    lines = [f"draft shape: {mode} topk={topk} depth={depth} budget={budget} ({draft.get('chosen_by')})",
+             f"  SGLang: --speculative-num-steps {depth} --speculative-eagle-topk {topk} "
+             f"--speculative-num-draft-tokens {budget + 1}",
+             f"  vLLM:   speculative_config num_speculative_tokens={depth} (chain drafting)"]
+    if mode == "hybrid":
+        lines.append(f"  + prompt lookup branch of {draft.get('lookup_len')} tokens: draftkit's hybrid drafter; "
+                     "engines serve the head's tree alone")
+    return lines
 
 
 def verifier_line(v: dict) -> str:
