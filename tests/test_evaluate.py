@@ -209,13 +209,27 @@ def test_ngram_only_without_a_head(target):
         evaluate(target, None, ["Hi"], ngram=False)
 
 
-def test_synthesized_prompts_are_user_turns(target):
+def test_synthesized_prompts_are_user_turns(target, monkeypatch):
+    """eval's Magpie path: what the target writes after the user-turn prefix, cut at its end of turn,
+    becomes the prompts (a random tiny target never ends a turn, so its sampling is scripted here)."""
     from draftkit.inference.evaluate import synthesize_prompts
 
-    prompts = synthesize_prompts(target, 3, seed=0, max_tokens=12)
-    assert 1 <= len(prompts) <= 3
-    for p in prompts:
-        assert p.category == "synthesized" and p.messages[0]["role"] == "user" and p.messages[0]["content"]
+    tok = target.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = ["Tell me about cats.", "How do tides work?", "Tell me about cats.", "Name three rivers."]
+    scripted = [tok.encode(t, add_special_tokens=False) + [end] for t in turns] + [[5, 6]] * 6  # then unfinished
+
+    queue = iter(scripted)
+
+    def generate(input_ids, max_new_tokens, **_):  # the next scripted turns, one per row
+        rows = [next(queue) for _ in range(input_ids.shape[0])]
+        width = max(map(len, rows))
+        return torch.cat([input_ids, torch.tensor([r + [end] * (width - len(r)) for r in rows])], 1)
+    monkeypatch.setattr(target.model, "generate", generate)
+    prompts = synthesize_prompts(target, 3, seed=0, max_tokens=64)
+    assert [p.messages for p in prompts] == [[{"role": "user", "content": t}] for t in
+                                             ("Tell me about cats.", "How do tides work?", "Name three rivers.")]
+    assert {p.category for p in prompts} == {"synthesized"}  # the duplicate turn was dropped
 
 
 def test_typical_acceptance_is_reported_as_lossy(target, tmp_path, capsys):

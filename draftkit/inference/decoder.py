@@ -559,7 +559,8 @@ class SpecDecoder:
         path = torch.where(ark < num_acc[:, None], ark + 1, -1)  # (B, k) block slots 1..num_acc
         offered = (ark < num_draft[:, None]) & (ark <= num_acc[:, None])
         out = torch.nn.functional.pad(out, (0, self.k + 1 - out.shape[1]), value=-1)
-        return out, num_acc, path, offered, None, _no_feats(vfeats, step_ids, self.target.dtype), t1
+        source = torch.full_like(path, getattr(self.head, "draft_source", SOURCE_HEAD), dtype=torch.uint8)
+        return out, num_acc, path, offered, source, _no_feats(vfeats, step_ids, self.target.dtype), t1
 
     def _tree_step(self, state, feats, next_tokens, feed_valid, active, pending, tc, params, gens, sample):
         """Draft a tree, verify root + nodes in one forward with the ancestor mask, walk it."""

@@ -27,6 +27,7 @@ class NgramState:
 
 class NgramDrafter:
     family = "ngram"
+    draft_source = SOURCE_LOOKUP  # how the loop labels accepted tokens (draftkit.inference.tree)
     feature_layers: tuple[int, ...] = ()
     max_draft_tokens = None
 
