@@ -34,6 +34,42 @@ class TargetError(ValueError):
     """A target that cannot be loaded or does not fit; the message names the path or field."""
 
 
+def rope_parameters_of(config) -> dict:
+    """The target's RoPE settings as transformers 5 `rope_parameters` (type, theta, scaling).
+
+    transformers 4.x configs carry `rope_theta` and `rope_scaling` instead (Llama-3.1's
+    {rope_type: llama3, factor: 8, ...}); dropping the scaling there would give a head rotary
+    frequencies its target does not use, so both spellings are read.
+    """
+    rope = getattr(config, "rope_parameters", None)
+    if rope:
+        return dict(rope)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    if "type" in scaling and "rope_type" not in scaling:  # the older spelling
+        scaling["rope_type"] = scaling.pop("type")
+    return {"rope_type": "default", **scaling, "rope_theta": float(getattr(config, "rope_theta", 10000.0))}
+
+
+def check_rope_support(config=None) -> None:
+    """Refuse a transformers whose Llama rotary embedding ignores `rope_parameters` (4.x reads
+    rope_theta / rope_scaling: a head built there would silently rotate with theta 10000, unscaled),
+    and a rope type it does not implement."""
+    import transformers
+    from transformers import LlamaConfig
+
+    if "rope_parameters" not in LlamaConfig().to_dict():
+        raise TargetError(f"transformers {transformers.__version__} predates rope_parameters; draft heads "
+                          "would lose the target's RoPE theta and scaling (Llama-3's llama3 scaling): "
+                          "install transformers>=5")
+    if config is not None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        kind = rope_parameters_of(config).get("rope_type", "default")
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            raise TargetError(f"target rope_type {kind!r} is not one transformers "
+                              f"{transformers.__version__} implements ({', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+
+
 @dataclass
 class TargetFeatures:
     """What a head may see of the target for a batch of sequences."""

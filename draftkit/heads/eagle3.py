@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
 from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, cached_mask,
                                    causal_mask, last_valid)
-from draftkit.heads.vocab import (DraftVocab, build_draft_vocab, check_draft_vocab_size, restricted_kl,  # noqa: F401
+from draftkit.heads.losses import kl_rows
+from draftkit.heads.vocab import (DraftVocab, build_draft_vocab, check_draft_vocab_size, in_vocab_mean,  # noqa: F401
                                   token_counts)
 
 
@@ -173,12 +174,12 @@ class Eagle3Head(DraftVocab, DraftHead):
 
     def step_loss(self, o: Tensor, target_final: Tensor, top1: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
         """KL over M supervised positions: o (M, H), target_final (M, H), top1 (M,) | None -> (kl, acc, M)."""
-        draft_logp = F.log_softmax(self.logits(o), dim=-1)  # (M, N)
-        tgt_draft, top = self.target_on_draft_vocab(target_final, top1)
-        kl = restricted_kl(draft_logp, tgt_draft, top, self.t2d)
+        # rows in chunks over the draft vocabulary (heads/losses.py): no (M, N) tensors kept
+        kl, pred, top = kl_rows(self.logits, self.target_on_draft_vocab, o, target_final, top1,
+                                vocab=self.lm_head.weight.shape[0])
         M = o.shape[0]
-        acc = (self.draft_ids[draft_logp.argmax(-1)] == top).float().sum().detach() / max(M, 1)
-        return kl, acc, M
+        acc = (self.draft_ids[pred] == top).float().sum().detach() / max(M, 1)
+        return in_vocab_mean(kl, top, self.t2d), acc, M
 
     # ---- drafting ----
     def new_draft_state(self, batch_size: int) -> ChainState:
