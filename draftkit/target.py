@@ -250,13 +250,19 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
             raise TargetError(f"target.path: no such file or directory: {p}")
         else:
             src = path  # a hub id: transformers fetches it when a hub is reachable
+    device = torch.device(device)
+    if device.type != "cpu" and "gguf_file" not in kwargs:
+        # Straight onto this rank's device, shard by shard: no full host copy per rank (8 ranks x
+        # 16 GB of host RAM for an 8B target otherwise). GGUF files dequantize on the host first.
+        kwargs["device_map"] = {"": str(device)}
     try:
         tok_kwargs = {k: v for k, v in kwargs.items() if k in ("gguf_file", "trust_remote_code")}
         tokenizer = AutoTokenizer.from_pretrained(src, **tok_kwargs)
         model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
     except (OSError, ValueError) as e:
         raise TargetError(f"target.path: cannot load a causal LM from {src}: {e}") from e
-    model.to(device)
+    if "device_map" not in kwargs:
+        model.to(device)
     use_gqa_attention(model)  # CPU: no KV-cache copy per attention call (draftkit/attention.py)
     target = Target(model, tokenizer, name=name)
     target.load_seconds = time.time() - t0
