@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
-from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, cached_mask,
-                                   causal_mask, last_valid)
+from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, UnrolledMask,
+                                   cached_mask, last_valid)
 from draftkit.heads.losses import kl_rows
 from draftkit.heads.vocab import (DraftVocab, build_draft_vocab, check_draft_vocab_size, in_vocab_mean,  # noqa: F401
                                   token_counts)
@@ -140,15 +140,13 @@ class Eagle3Head(DraftVocab, DraftHead):
         B, T = ids.shape
         L = T - 1
         pair = attn[:, :-1] & attn[:, 1:]  # (B, L) (g_t, x_{t+1}) both real
-        causal = causal_mask(pair)  # (B, 1, L, L) step-0 block
-        own = torch.eye(L, dtype=torch.bool, device=ids.device).expand(B, 1, L, L)  # the diagonal
         padded = torch.cat([ids, ids.new_zeros(B, steps)], dim=1)  # tokens past the end: never supervised
         h = self.fc(features.hidden[:, :-1].to(self.fc.weight.dtype))  # (B, L, H) g_t
         kv, outs = LayerKV(), []
         for i in range(steps):
             pos = torch.arange(i, L + i, device=ids.device).expand(B, -1)
-            mask = torch.cat([causal] + [own] * i, dim=-1)  # (B, 1, L, (i+1) L)
-            h = self(h, padded[:, 1 + i: 1 + i + L], pos, mask, kv)
+            # step-0 keys causally + its own steps' keys at t, with no dense (L, (i+1) L) mask
+            h = self(h, padded[:, 1 + i: 1 + i + L], pos, UnrolledMask(pair, i), kv)
             outs.append(h)
         return outs
 
