@@ -102,3 +102,56 @@ def test_cli_prints_writes_json_and_exits_1_on_error(tmp_path, capsys):
     assert rc == 1 and "error: target:" in capsys.readouterr().out
     rc = main(["plan", str(ROOT / "recipes/eagle3-llama3-8b.yaml"), f"target.path={tmp_path}"])
     assert rc == 2 and "no config.json" in capsys.readouterr().err
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+
+def _fake_target(config):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(config=config, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                           info=lambda: {"name": "fake"})
+
+
+def test_heads_keep_llama3_rope_scaling_in_either_transformers_spelling():
+    """A transformers 4.x config spells RoPE as rope_theta + rope_scaling; a head built from it must
+    still rotate as Llama-3.1 does (theta 500000, llama3 scaling), exactly like the 5.x spelling."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from draftkit.heads.base import DraftHead, HeadConfig
+
+    raw = json.loads((Path(LLAMA) / "config.json").read_text())
+    v4 = SimpleNamespace(**{k: v for k, v in raw.items() if k != "rope_scaling"},
+                         rope_scaling={**raw["rope_scaling"], "type": "llama3"})
+    del v4.rope_scaling["rope_type"]  # the oldest spelling: "type"
+    old = HeadConfig()
+    old.fill_from_target(_fake_target(v4))
+    assert old.rope_parameters == LLAMA3_ROPE
+    cfg5 = AutoConfig.from_pretrained(LLAMA)
+    new = HeadConfig()
+    new.fill_from_target(_fake_target(cfg5))
+    assert new.rope_parameters == LLAMA3_ROPE
+    head = DraftHead(new)
+    want = LlamaRotaryEmbedding(cfg5).inv_freq
+    assert torch.equal(head.rotary().inv_freq, want)
+
+
+def test_a_transformers_that_ignores_rope_parameters_is_refused(monkeypatch):
+    import transformers
+
+    from draftkit.target import TargetError, check_rope_support
+
+    class OldLlamaConfig(transformers.LlamaConfig):  # what 4.x does: no rope_parameters in the config
+        def to_dict(self):
+            return {k: v for k, v in super().to_dict().items() if k != "rope_parameters"}
+
+    check_rope_support()
+    monkeypatch.setattr(transformers, "LlamaConfig", OldLlamaConfig)
+    with pytest.raises(TargetError, match="predates rope_parameters.*install transformers>=5"):
+        check_rope_support()
