@@ -224,6 +224,9 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
                          "EAGLE-3 heads on 7-8B targets train at 3e-5..1e-4"))
     elif t.lr * math.sqrt(256 / global_batch) > 1e-2:
         problems.append(("warning", f"train.lr={t.lr:g} is high for a global batch of {global_batch}"))
+    if head is not None and r.head["type"] == "eagle" and head_cfg.get("draft_vocab_size"):
+        problems.append(("warning", f"head.draft_vocab_size={vocab}: vLLM / SGLang serve EAGLE-1 over the full "
+                         "vocabulary only; export will refuse it (or drop it with --full-vocab)"))
     if head is not None and vocab < cfg.vocab_size and r.head["type"] in ("eagle", "eagle3") and prompts * sample_tokens < 10 * vocab:
         problems.append(("warning", f"head.draft_vocab_size={vocab}: the {prompts * sample_tokens} training tokens "
                          "cannot rank that many distinct tokens by frequency (the tail fills by id order)"))

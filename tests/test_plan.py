@@ -67,6 +67,7 @@ def test_cpu_recipe_on_an_8b_target_is_flagged():
     assert any("train.lr=0.001" in w and "3e-5..1e-4" in w for w in problems(p, "warning"))
     # 2400 steps x 32 samples over 1600 prompts: 48 passes
     assert any("48 passes over 1600 samples" in w for w in problems(p, "warning"))
+    assert any("serve EAGLE-1 over the full vocabulary only" in w for w in problems(p, "warning"))
 
 
 def test_inconsistent_settings_are_errors():
