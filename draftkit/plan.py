@@ -181,7 +181,7 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     gen_len = s.prompt_tokens + d.responses.max_new_tokens
     kv_cache = 2 * n_layers * kv * head_dim * tbytes * d.responses.batch_size * gen_len
     train_total = target_weights + sum(head_mem.values()) + sum(head_act.values()) + target_fwd
-    gen_total = target_weights + kv_cache + d.responses.batch_size * gen_len * cfg.vocab_size * 4 / gen_len
+    gen_total = target_weights + kv_cache + d.responses.batch_size * cfg.vocab_size * 4  # + one step's logits
     memory = {"target_weights": target_weights, "head": head_mem, "head_activations": head_act,
               "target_feature_forward": float(target_fwd), "training_peak": float(train_total),
               "generation_kv_cache": float(kv_cache), "generation_peak": float(gen_total)}

