@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn

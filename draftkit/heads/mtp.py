@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
