@@ -289,10 +289,10 @@ def main() -> int:
         smoke=a.cpu_smoke, cuda=cuda, device="cuda" if cuda else "cpu", out=a.out,
         rej_batch=64 if big else 4, rej_vocab=128256 if big else 1000, rej_k=7 if big else 3,
         loop_prompts=16 if big else 3, loop_tokens=96 if big else 12, fit_steps=150 if big else 5,
-        train_steps=50 if big else 2, train_prompts=400 if big else 4, train_holdout=16 if big else 1,
+        train_steps=50 if big else 2, train_prompts=256 if big else 4, train_holdout=16 if big else 1,
         train_timeout=300 if big else 900,
         train_extra=(["deepspeed.bf16.enabled=true", "train.autocast=float32"] if big else
-                     ["data.responses.max_new_tokens=16", "data.synthesize.max_new_tokens=48",
+                     ["data.responses.max_new_tokens=16", "data.synthesize.max_new_tokens=48", "data.grounded.fraction=0",
                       "data.synthesize.batch_size=4", "train.micro_batch_size=2", "train.eval_max_new_tokens=8"]))
     a.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
