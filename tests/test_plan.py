@@ -80,6 +80,8 @@ def test_inconsistent_settings_are_errors():
     assert any("head.draft_vocab_size: 32001 must be in 1..32000" in e for e in problems(p, "error"))
     p = plan("eagle3-llama3-8b", f"target.path={LLAMA}", "train.micro_batch_size=1", world_size=8)
     assert p["parallel"]["global_batch"] == 32
+    p = plan("eagle3-llama3-8b", f"target.path={LLAMA}", "data.num_prompts=40", world_size=8)
+    assert any("40 prompts are fewer than one global batch (64)" in e for e in problems(p, "error"))
 
 
 def test_sliding_window_and_target_that_does_not_fit():
