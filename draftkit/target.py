@@ -46,6 +46,42 @@ class TargetError(ValueError):
     """A target that cannot be loaded or does not fit; the message names the path or field."""
 
 
+def rope_parameters_of(config) -> dict:
+    """The target's RoPE settings as transformers 5 `rope_parameters` (type, theta, scaling).
+
+    transformers 4.x configs carry `rope_theta` and `rope_scaling` instead (Llama-3.1's
+    {rope_type: llama3, factor: 8, ...}); dropping the scaling there would give a head rotary
+    frequencies its target does not use, so both spellings are read.
+    """
+    rope = getattr(config, "rope_parameters", None)
+    if rope:
+        return dict(rope)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    if "type" in scaling and "rope_type" not in scaling:  # the older spelling
+        scaling["rope_type"] = scaling.pop("type")
+    return {"rope_type": "default", **scaling, "rope_theta": float(getattr(config, "rope_theta", 10000.0))}
+
+
+def check_rope_support(config=None) -> None:
+    """Refuse a transformers whose Llama rotary embedding ignores `rope_parameters` (4.x reads
+    rope_theta / rope_scaling: a head built there would silently rotate with theta 10000, unscaled),
+    and a rope type it does not implement."""
+    import transformers
+    from transformers import LlamaConfig
+
+    if "rope_parameters" not in LlamaConfig().to_dict():
+        raise TargetError(f"transformers {transformers.__version__} predates rope_parameters; draft heads "
+                          "would lose the target's RoPE theta and scaling (Llama-3's llama3 scaling): "
+                          "install transformers>=5")
+    if config is not None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        kind = rope_parameters_of(config).get("rope_type", "default")
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            raise TargetError(f"target rope_type {kind!r} is not one transformers "
+                              f"{transformers.__version__} implements ({', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+
+
 @dataclass
 class TargetFeatures:
     """What a head may see of the target for a batch of sequences."""
@@ -243,13 +279,19 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
             raise TargetError(f"target.path: no such file or directory: {p}")
         else:
             src = path  # a hub id: transformers fetches it when a hub is reachable
+    device = torch.device(device)
+    if device.type != "cpu" and "gguf_file" not in kwargs:
+        # Straight onto this rank's device, shard by shard: no full host copy per rank (8 ranks x
+        # 16 GB of host RAM for an 8B target otherwise). GGUF files dequantize on the host first.
+        kwargs["device_map"] = {"": str(device)}
     try:
         tok_kwargs = {k: v for k, v in kwargs.items() if k in ("gguf_file", "trust_remote_code")}
         tokenizer = AutoTokenizer.from_pretrained(src, **tok_kwargs)
         model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
     except (OSError, ValueError) as e:
         raise TargetError(f"target.path: cannot load a causal LM from {src}: {e}") from e
-    model.to(device)
+    if "device_map" not in kwargs:
+        model.to(device)
     use_gqa_attention(model)  # CPU: no KV-cache copy per attention call (draftkit/attention.py)
     target = Target(model, tokenizer, name=name)
     target.load_seconds = time.time() - t0

@@ -137,3 +137,69 @@ def test_eagle3_greedy_loop_is_lossless(tiny_target):
     out, stats = dec.SpecDecoder(tiny_target, head, k=3).generate(LOOP_PROMPTS, max_new_tokens=16)
     assert out == ref
     assert stats.tau > 1.5
+
+def dense_unroll_mask(valid, step):
+    """The step's mask written out entry by entry: query t sees step-0 key s when s <= t and s is
+    valid, or s == t; and key t of every earlier step j >= 1 (its own diagonal)."""
+    B, L = valid.shape
+    m = torch.zeros(B, 1, L, (step + 1) * L, dtype=torch.bool)
+    for b in range(B):
+        for t in range(L):
+            for s in range(L):
+                m[b, 0, t, s] = bool(s == t or (s <= t and valid[b, s]))
+            for j in range(1, step + 1):
+                m[b, 0, t, j * L + t] = True
+    return m
+
+
+@pytest.mark.parametrize("budget", [1 << 24, 64])  # one chunk / many checkpointed chunks
+@pytest.mark.parametrize("prefix", [True, False])  # right padding / holes anywhere
+def test_unrolled_attention_equals_the_dense_mask_with_gradients(monkeypatch, budget, prefix):
+    from draftkit.heads import layers
+
+    monkeypatch.setattr(layers, "UNROLL_CHUNK_ELEMENTS", budget)
+    g = torch.Generator().manual_seed(0)
+    B, h, kvh, L, d = 2, 4, 2, 7, 8
+    valid = torch.ones(B, L, dtype=torch.bool)
+    valid[1, 5:] = False
+    if not prefix:
+        valid[0, 2] = False
+    for step in range(4):
+        q = torch.randn(B, h, L, d, generator=g, requires_grad=True)
+        k = torch.randn(B, kvh, (step + 1) * L, d, generator=g, requires_grad=True)
+        v = torch.randn(B, kvh, (step + 1) * L, d, generator=g, requires_grad=True)
+        mask = dense_unroll_mask(valid, step)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        got = layers.UnrolledMask(valid, step).attend(q, k, v)
+        rows = valid if (step == 0 and prefix) else torch.ones_like(valid)  # causal path: padded queries are free
+        torch.testing.assert_close(got.transpose(1, 2)[rows], want.transpose(1, 2)[rows], rtol=1e-5, atol=1e-6)
+        w = torch.randn(got.shape, generator=g) * rows[:, None, :, None]
+        grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+        want_grads = torch.autograd.grad((want * w).sum(), (q, k, v))
+        for a, b in zip(grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_eagle3_padded_rows_unroll_as_alone_in_chunks(tiny_target, monkeypatch):
+    """A right-padded row's unrolled outputs equal that row unrolled alone, with the attention cut
+    into many checkpointed chunks (the length-2048 path) — and the loss's gradients equal one chunk's."""
+    from draftkit.heads import layers
+
+    head = head_for(tiny_target, ttt_steps=3)
+    ids, attn, lm = batch(tiny_target, B=3, T=12, seed=2)  # row 1 right-padded by 3
+    feats = tiny_target.features(ids, attn, head.feature_layers, lm)
+    whole = head.unroll(feats)
+    head.zero_grad()
+    head.loss(feats)["loss"].backward()
+    want = {n: p.grad.clone() for n, p in head.named_parameters()}
+    monkeypatch.setattr(layers, "UNROLL_CHUNK_ELEMENTS", 4 * 12 * 3)
+    parts = head.unroll(feats)
+    alone = head.unroll(tiny_target.features(ids[1:2, :9], attn[1:2, :9], head.feature_layers))
+    for i in range(3):
+        torch.testing.assert_close(parts[i], whole[i], rtol=1e-5, atol=1e-6)
+        n = 8 - i  # positions whose step-i token x_{t+1+i} is real in the row (later ones read pads)
+        torch.testing.assert_close(parts[i][1, :n], alone[i][0, :n], rtol=1e-5, atol=1e-6)
+    head.zero_grad()
+    head.loss(feats)["loss"].backward()
+    for n, p in head.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)

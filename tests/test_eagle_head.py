@@ -29,15 +29,26 @@ def test_eagle_loss_decreases_and_save_load_roundtrip(tiny_target, tmp_path):
     torch.testing.assert_close(again.loss(feats)["loss"], head.loss(feats)["loss"], rtol=0, atol=0)
 
 
+def prefix_forward(head, f, ids):
+    """Reference without any mask formula: each layer's output at t is that layer run on the previous
+    layer's outputs at 0..t ALONE, every key visible (nothing after t exists), last row taken.
+    f (B, n, H) features, ids (B, n) next tokens -> (B, n, H)."""
+    B, n = ids.shape
+    dtype = head.fc.weight.dtype
+    x = head.fc(torch.cat([head.embed(ids, dtype), f.to(dtype)], dim=-1))  # position-wise
+    cos, sin = head.cos_sin(torch.arange(n).expand(B, -1), dtype)
+    for layer in head.layers:
+        x = torch.stack([layer(x[:, :t + 1], x[:, :t + 1], cos[:, :t + 1], sin[:, :t + 1],
+                               torch.ones(B, 1, t + 1, t + 1, dtype=torch.bool))[:, -1] for t in range(n)], 1)
+    return x
+
+
 def test_eagle_draft_matches_training_forward(tiny_target):
-    """Drafting with the KV cache equals the full-sequence forward on the same inputs."""
+    """Drafting with the KV cache equals the head run on each prefix alone."""
     head = build_head({"type": "eagle", "num_layers": 2}, tiny_target)
     ids, _, _ = batch(tiny_target, B=2, T=10)
     f = tiny_target.features(ids, None, head.feature_layers).hidden
-    # Full forward over pairs (f_t, x_{t+1}), t = 0..8
-    T = ids.shape[1] - 1
-    pos = torch.arange(T).expand(2, -1)
-    full = head(f[:, :-1], ids[:, 1:], pos, torch.ones(2, 1, T, T, dtype=torch.bool).tril())
+    full = prefix_forward(head, f[:, :-1], ids[:, 1:])  # pairs (f_t, x_{t+1}), t = 0..8
     # Incremental: 6 pairs, then 3 more (the second call discards no speculation when k=1)
     state = head.new_draft_state(2)
     ones = torch.ones(2, 6, dtype=torch.bool)
@@ -45,12 +56,27 @@ def test_eagle_draft_matches_training_forward(tiny_target):
     assert torch.equal(tok[:, 0], tiny_target.logits(full[:, 5]).float().argmax(-1))
     tok, _ = head.draft(state, f[:, 6:9], ids[:, 7:10], ones[:, :3], 3, greedy)
     assert torch.equal(tok[:, 0], tiny_target.logits(full[:, 8]).float().argmax(-1))
-    # The chained second draft equals a forward that feeds f̂ and the first draft back in.
+    # The chained second draft equals the prefix run that feeds f̂ and the first draft back in.
     f2 = torch.cat([f[:, :9], full[:, 8:9]], 1)
     ids2 = torch.cat([ids[:, 1:10], tok[:, :1]], 1)
-    pos2 = torch.arange(10).expand(2, -1)
-    full2 = head(f2, ids2, pos2, torch.ones(2, 1, 10, 10, dtype=torch.bool).tril())
+    full2 = prefix_forward(head, f2, ids2)
     assert torch.equal(tok[:, 1], tiny_target.logits(full2[:, 9]).float().argmax(-1))
+
+
+def test_eagle_training_forward_sees_exactly_the_prefix(tiny_target):
+    """The loss's full-sequence forward (causal mask over a right-padded batch) gives, at every real
+    position, what the head computes from that row's prefix alone: no peeking at later tokens."""
+    head = build_head({"type": "eagle", "num_layers": 2}, tiny_target)
+    ids, attn, lm = batch(tiny_target, B=3, T=12)  # row 1: 9 real tokens, 3 pads
+    feats = tiny_target.features(ids, attn, head.feature_layers, lm)
+    seen = {}
+    head.register_forward_hook(lambda mod, args, out: seen.setdefault("pred", out))
+    head.loss(feats)
+    for row, n in ((0, 12), (1, 9), (2, 12)):
+        f = tiny_target.features(ids[row:row + 1, :n], None, head.feature_layers).hidden
+        with torch.no_grad():
+            want = prefix_forward(head, f[:, :-1], ids[row:row + 1, 1:n])[0]  # (n-1, H)
+        torch.testing.assert_close(seen["pred"][row, :n - 1], want, rtol=1e-5, atol=1e-5)
 
 
 def test_eagle_ragged_rows_equal_single_rows(tiny_target):
@@ -128,8 +154,7 @@ def test_eagle_draft_vocab_drafts_match_training_forward(tiny_target):
     head = vocab_head(tiny_target, num_layers=2)
     ids, _, _ = batch(tiny_target, B=2, T=10)
     f = tiny_target.features(ids, None, head.feature_layers).hidden
-    T = ids.shape[1] - 1
-    full = head(f[:, :-1], ids[:, 1:], torch.arange(T).expand(2, -1), torch.ones(2, 1, T, T, dtype=torch.bool).tril())
+    full = prefix_forward(head, f[:, :-1], ids[:, 1:])
     seen = []
 
     def sample(logits):

@@ -393,6 +393,18 @@ def test_top_p_keeps_smallest_nucleus_in_vocab_order():
     torch.testing.assert_close(out, torch.tensor([0.0, 0.3, 0.15, 0.5]) / 0.95)
 
 
+def test_top_p_keeps_ties_at_the_cutoff_whatever_their_order():
+    """Tied tokens at the nucleus edge all survive, so the result is the same for any vocabulary
+    order (a sort may order equal values differently on CPU and GPU)."""
+    logits = torch.tensor([0.2, 0.4, 0.2, 0.1, 0.2, 0.1]).log()
+    out = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))  # 0.4 + the three 0.2s
+    torch.testing.assert_close(out, torch.tensor([0.2, 0.4, 0.2, 0.0, 0.2, 0.0]) / 1.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        perm = torch.randperm(6, generator=gen)
+        torch.testing.assert_close(logits_to_probs(logits[perm], SamplingParams(1.0, top_p=0.5)), out[perm])
+
+
 def test_top_k_is_applied_before_top_p():
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
     # top-k=2 renormalises to (0.571, 0.429): the first token alone reaches top_p = 0.5.

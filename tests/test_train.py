@@ -82,11 +82,11 @@ def head_weights(out: Path) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # recipes
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("recipe", ["quick", "eagle", "eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("recipe", ["quick", "eagle", "eagle3", "medusa", "mtp", "eagle3-llama3-8b"])
 def test_every_recipe_loads_and_has_the_common_keys(recipe):
     r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", ["train.max_steps=20", "output_dir=runs/try"])
     assert r.train.max_steps == 20 and r.output_dir == "runs/try"
-    assert r.head["type"] == {"quick": "eagle"}.get(recipe, recipe)
+    assert r.head["type"] == {"quick": "eagle", "eagle3-llama3-8b": "eagle3"}.get(recipe, recipe)
 
 
 def test_recipe_typo_names_dotted_path_and_allowed_keys(tmp_path):
@@ -348,3 +348,62 @@ def test_cached_top1_gives_the_same_loss_as_full_logits(tmp_path):
         with_top1, without = head.loss(f), head.loss(dataclasses.replace(f, top1=None))
         for key in ("loss", "acc"):
             torch.testing.assert_close(with_top1[key], without[key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_target_loads_straight_onto_the_rank_device_in_the_recipe_dtype(tiny_model_dir, monkeypatch):
+    """On a GPU rank the weights go from the files to that device (device_map), never through a
+    full host copy that is then moved; on CPU nothing changes."""
+    from transformers import AutoModelForCausalLM
+
+    from draftkit import target as target_mod
+
+    real = AutoModelForCausalLM.from_pretrained.__func__
+    seen = []
+
+    def spy(cls, src, **kwargs):
+        seen.append(dict(kwargs))
+        kwargs.pop("device_map", None)  # no GPU here: load on the host, but never `.to` it afterwards
+        model = real(cls, src, **kwargs)
+        model.to = lambda *a, **k: pytest.fail(f"model.to{a} after loading: a host copy was moved")
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    monkeypatch.setattr(target_mod, "use_gqa_attention", lambda model: False)
+    t = target_mod.load_target(str(tiny_model_dir), dtype="bfloat16", device="cuda:3")
+    assert seen[-1]["device_map"] == {"": "cuda:3"} and seen[-1]["dtype"] == torch.bfloat16
+    assert t.dtype == torch.bfloat16
+
+
+def test_speculative_eval_runs_on_rank_0_only(monkeypatch):
+    """The in-training draft-verify evaluation runs once (rank 0), not once per rank."""
+    from types import SimpleNamespace
+
+    import importlib
+
+    ev = importlib.import_module("draftkit.inference.evaluate")
+    from draftkit.train import loop
+
+    calls = []
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **k: calls.append(a) or
+                        {"tau": 1.5, "acceptance_per_position": [0.5, 0.25]})
+    monkeypatch.setattr(loop, "barrier", lambda: None)
+    head = torch.nn.Linear(2, 2)
+    for rank, want in ((1, {}), (0, {"tau": 1.5, "alpha_1": 0.5, "alpha_2": 0.25})):
+        me = SimpleNamespace(recipe=SimpleNamespace(train=SimpleNamespace(eval_k=2, eval_max_new_tokens=8)),
+                             data=SimpleNamespace(holdout_prompts=["p"]), head=head, target=None,
+                             ds_config={"zero_optimization": {"stage": 2}}, main=rank == 0,
+                             dist=SimpleNamespace(rank=rank, world_size=2))
+        me.eval_head = lambda me=me: loop.Trainer.eval_head(me)
+        assert loop.Trainer.speculative_eval(me) == want
+        assert len(calls) == (0 if rank == 1 else 1)
+
+
+@pytest.mark.parametrize("chunks, world", [(5, 2), (1, 4), (8, 8), (7, 3)])
+def test_heldout_agreement_is_sharded_once_with_equal_forwards(chunks, world):
+    from draftkit.train.loop import holdout_shard
+
+    plans = [holdout_shard(chunks, world, r) for r in range(world)]
+    assert len({len(p) for p in plans}) == 1  # same number of forwards on every rank (ZeRO-3)
+    counted = sorted(i for p in plans for i, w in p if w == 1.0)
+    assert counted == list(range(chunks))  # each held-out micro-batch counted exactly once
+    assert all(w == 0.0 for p in plans for i, w in p if (i, w) not in [(j, 1.0) for j in range(chunks)])

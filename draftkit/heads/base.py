@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from draftkit.schema import ConfigError, from_dict
 from draftkit.heads.layers import LayerDims
+from draftkit.target import rope_parameters_of
 
 SampleFn = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 HEAD_FORMAT_VERSION = 1
@@ -88,11 +89,9 @@ class HeadConfig:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.intermediate_size = c.intermediate_size
         self.rms_norm_eps = float(getattr(c, "rms_norm_eps", 1e-5))
-        rope = getattr(c, "rope_parameters", None) or {"rope_type": "default",
-                                                        "rope_theta": getattr(c, "rope_theta", 10000.0)}
+        rope = rope_parameters_of(c)  # theta + scaling, transformers 4.x or 5 spelling
         # Gemma 3 keeps one rope per layer type; the head's layer is a global-attention llama layer.
-        rope = rope.get("full_attention", rope) if "rope_type" not in rope else rope
-        self.rope_parameters = dict(rope)
+        self.rope_parameters = dict(rope.get("full_attention", rope) if "rope_type" not in rope else rope)
         self.max_position_embeddings = getattr(c, "max_position_embeddings", 4096)
         self.target = target.info()
 
@@ -154,6 +153,9 @@ class DraftHead(nn.Module):
             from transformers import LlamaConfig
             from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+            from draftkit.target import check_rope_support
+
+            check_rope_support()  # transformers 4.x would ignore rope_parameters below, silently
             c = self.config
             lc = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                              head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
@@ -173,6 +175,11 @@ class DraftHead(nn.Module):
         """Logits of the frozen lm_head over `hidden` (B, T, H), in float32."""
         w = self.shared.lm_head.weight
         return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+
+    def target_logits_top1(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """(M, H) -> the frozen lm_head's (M, V) float32 logits and their (M,) argmax (a loss teacher)."""
+        logits = self.target_logits(hidden)
+        return logits, logits.argmax(-1)
 
     # ---- the interface ----
     def loss(self, features) -> dict[str, Tensor]:

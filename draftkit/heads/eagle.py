@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
 from draftkit.heads.layers import (ChainState, DecoderLayer, LayerKV, cached_mask, causal_mask,  # noqa: F401
                                    last_valid, masked_mean)
-from draftkit.heads.vocab import DraftVocab, check_draft_vocab_size, restricted_kl
+from draftkit.heads.losses import kl_rows
+from draftkit.heads.vocab import DraftVocab, check_draft_vocab_size, in_vocab_mean
 from draftkit.target import FINAL
 
 
@@ -133,35 +134,26 @@ class EagleHead(DraftVocab, DraftHead):
 
     def distill_loss(self, pred: Tensor, target_feat: Tensor, target_final: Tensor,
                      top1: Tensor | None = None) -> dict[str, Tensor]:
-        """Losses over the N supervised positions only: pred/target (N, H)."""
-        c = self.config
-        feat = F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1)  # (N,)
-        if self.has_draft_vocab:
-            return self.draft_vocab_loss(pred, feat, target_final, top1)
-        head_logp = F.log_softmax(self.target_logits(pred), dim=-1)  # (N, V)
-        with torch.no_grad():
-            tgt_logits = self.target_logits(target_final)
-            tgt_logp = F.log_softmax(tgt_logits, dim=-1)
-        kl = (tgt_logp.exp() * (tgt_logp - head_logp)).sum(-1)  # (N,) KL(p || p̂)
-        acc = (head_logp.argmax(-1) == tgt_logits.argmax(-1)).float()
-        n = max(pred.shape[0], 1)
-        feat_l, kl_l = feat.sum() / n, kl.sum() / n
-        return {"loss": c.w_feat * feat_l + c.w_tok * kl_l, "feat_loss": feat_l.detach(),
-                "kl": kl_l.detach(), "acc": acc.sum().detach() / n,
-                "tokens": torch.tensor(float(pred.shape[0]))}
+        """Losses over the M supervised positions only: pred/target (M, H), top1 (M,) | None.
 
-    def draft_vocab_loss(self, pred: Tensor, feat: Tensor, target_final: Tensor,
-                         top1: Tensor | None) -> dict[str, Tensor]:
-        """distill_loss with the KL over the draft vocabulary (d2t) only: pred (N, H), feat (N,)."""
+        The KL runs over the draft vocabulary (restricted, renormalised; rows whose target top-1
+        lies outside are left out) or the full one, rows in chunks (heads/losses.py); acc compares
+        target ids either way, so it is comparable between the two.
+        """
         c = self.config
-        head_logp = F.log_softmax(self.draft_logits(pred), dim=-1)  # (N, Vd)
-        tgt_draft, top = self.target_on_draft_vocab(target_final, top1)
-        kl_l = restricted_kl(head_logp, tgt_draft, top, self.t2d)
-        acc = (self.draft_ids[head_logp.argmax(-1)] == top).float()  # comparable with the full vocabulary
+        feat = F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1)  # (M,)
         n = max(pred.shape[0], 1)
+        if self.has_draft_vocab:
+            kl, guess, top = kl_rows(self.draft_logits, self.target_on_draft_vocab, pred, target_final, top1,
+                                     vocab=self.d2t.shape[0])
+            kl_l, guess = in_vocab_mean(kl, top, self.t2d), self.draft_ids[guess]
+        else:
+            kl, guess, top = kl_rows(self.target_logits, self.target_logits_top1, pred, target_final,
+                                     vocab=self.config.vocab_size)
+            kl_l = kl.sum() / n
         feat_l = feat.sum() / n
         return {"loss": c.w_feat * feat_l + c.w_tok * kl_l, "feat_loss": feat_l.detach(),
-                "kl": kl_l.detach(), "acc": acc.sum().detach() / n,
+                "kl": kl_l.detach(), "acc": (guess == top).float().sum().detach() / n,
                 "tokens": torch.tensor(float(pred.shape[0]))}
 
     # ---- drafting ----

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
-from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, cached_mask,
-                                   causal_mask, last_valid)
-from draftkit.heads.vocab import (DraftVocab, build_draft_vocab, check_draft_vocab_size, restricted_kl,  # noqa: F401
+from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, UnrolledMask,
+                                   cached_mask, last_valid)
+from draftkit.heads.losses import kl_rows
+from draftkit.heads.vocab import (DraftVocab, build_draft_vocab, check_draft_vocab_size, in_vocab_mean,  # noqa: F401
                                   token_counts)
 
 
@@ -139,15 +139,13 @@ class Eagle3Head(DraftVocab, DraftHead):
         B, T = ids.shape
         L = T - 1
         pair = attn[:, :-1] & attn[:, 1:]  # (B, L) (g_t, x_{t+1}) both real
-        causal = causal_mask(pair)  # (B, 1, L, L) step-0 block
-        own = torch.eye(L, dtype=torch.bool, device=ids.device).expand(B, 1, L, L)  # the diagonal
         padded = torch.cat([ids, ids.new_zeros(B, steps)], dim=1)  # tokens past the end: never supervised
         h = self.fc(features.hidden[:, :-1].to(self.fc.weight.dtype))  # (B, L, H) g_t
         kv, outs = LayerKV(), []
         for i in range(steps):
             pos = torch.arange(i, L + i, device=ids.device).expand(B, -1)
-            mask = torch.cat([causal] + [own] * i, dim=-1)  # (B, 1, L, (i+1) L)
-            h = self(h, padded[:, 1 + i: 1 + i + L], pos, mask, kv)
+            # step-0 keys causally + its own steps' keys at t, with no dense (L, (i+1) L) mask
+            h = self(h, padded[:, 1 + i: 1 + i + L], pos, UnrolledMask(pair, i), kv)
             outs.append(h)
         return outs
 
@@ -173,12 +171,12 @@ class Eagle3Head(DraftVocab, DraftHead):
 
     def step_loss(self, o: Tensor, target_final: Tensor, top1: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
         """KL over M supervised positions: o (M, H), target_final (M, H), top1 (M,) | None -> (kl, acc, M)."""
-        draft_logp = F.log_softmax(self.logits(o), dim=-1)  # (M, N)
-        tgt_draft, top = self.target_on_draft_vocab(target_final, top1)
-        kl = restricted_kl(draft_logp, tgt_draft, top, self.t2d)
+        # rows in chunks over the draft vocabulary (heads/losses.py): no (M, N) tensors kept
+        kl, pred, top = kl_rows(self.logits, self.target_on_draft_vocab, o, target_final, top1,
+                                vocab=self.lm_head.weight.shape[0])
         M = o.shape[0]
-        acc = (self.draft_ids[draft_logp.argmax(-1)] == top).float().sum().detach() / max(M, 1)
-        return kl, acc, M
+        acc = (self.draft_ids[pred] == top).float().sum().detach() / max(M, 1)
+        return in_vocab_mean(kl, top, self.t2d), acc, M
 
     # ---- drafting ----
     def new_draft_state(self, batch_size: int) -> ChainState:

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+# Attention scores per query chunk of the unrolled (TTT) attention: B x heads x rows x keys.
+UNROLL_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -80,7 +84,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, kv: LayerKV | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: "Tensor | UnrolledMask",
+                kv: LayerKV | None = None) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, h, T, d)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, kv, T, d)
@@ -88,8 +93,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             k, v = kv.extend(k, v)  # (B, kv, S, d): earlier slots + these T
-        # mask: (B, 1, T, S) bool, True = may attend. enable_gqa shares kv heads across q heads.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        if isinstance(mask, UnrolledMask):  # EAGLE-3's training unroll: no dense mask
+            y = mask.attend(q, k, v)
+        else:  # mask: (B, 1, T, S) bool, True = may attend. enable_gqa shares kv heads across q heads.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -129,6 +136,65 @@ def causal_mask(valid: Tensor) -> Tensor:
     causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
     mask = causal[None] & valid[:, None, :].bool()
     return (mask | torch.eye(T, dtype=torch.bool, device=valid.device)[None]).unsqueeze(1)
+
+
+@dataclass
+class UnrolledMask:
+    """Who sees whom in step `step` of a training unroll over L positions (EAGLE-3's TTT).
+
+    The keys are the L step-0 keys, then L keys of each earlier step 1..step (the layer's cache,
+    (B, kv, (step+1) L, d)). Query t sees the step-0 keys at positions <= t that are `valid`, the
+    step-0 key at t itself, and the key at t of each of its own earlier steps (the "diagonal"): the
+    cache sequential drafting builds after the prefix 0..t. Equal to sdpa with the dense
+    (B, 1, L, (step+1) L) mask, built only while it is small (<= UNROLL_CHUNK_ELEMENTS): step 0 of
+    right-padded rows is plain causal attention (padded queries are never read by real ones); past
+    the budget queries go in chunks, each under activation checkpointing, so only O(L) is kept per
+    step whatever L is (length 2048: benchmarks/loss_memory.py).
+    """
+
+    valid: Tensor  # (B, L) bool: step-0 keys of real (feature, token) pairs
+    step: int
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q (B, h, L, d); k, v (B, kv, (step+1) L, d) -> (B, h, L, d)
+        B, h, L, d = q.shape
+        kv, gqa = k.shape[1], k.shape[1] != h
+        if self.step == 0 and bool((self.valid.long().cummin(1).values == self.valid.long()).all()):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if B * L * (self.step + 1) * L <= UNROLL_CHUNK_ELEMENTS:  # small: one fused sdpa call
+            own = torch.eye(L, dtype=torch.bool, device=q.device).expand(B, L, L)
+            mask = torch.cat([self._step0_visible(0, L, L)] + [own] * self.step, dim=-1)  # (B, L, (step+1) L)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+        qg = q.view(B, kv, h // kv, L, d)  # query head j reads kv head j // (h / kv), as enable_gqa
+        kd = k[:, :, L:].unflatten(2, (self.step, L))  # (B, kv, step, L, d) own earlier steps
+        vd = v[:, :, L:].unflatten(2, (self.step, L))
+        C = max(1, UNROLL_CHUNK_ELEMENTS // (B * h * (L + self.step)))  # scores per chunk within budget
+        outs = []
+        for a in range(0, L, C):
+            b = min(L, a + C)
+            args = (qg[:, :, :, a:b], k[:, :, :b], v[:, :, :b], kd[:, :, :, a:b], vd[:, :, :, a:b], a)
+            if torch.is_grad_enabled():
+                outs.append(checkpoint(self._chunk, *args, use_reentrant=False))
+            else:
+                outs.append(self._chunk(*args))
+        return torch.cat(outs, dim=3).view(B, h, L, d)
+
+    def _step0_visible(self, start: int, rows: int, keys: int) -> Tensor:
+        """(B, rows, keys) bool: may query start+r see step-0 key s? (s <= t and valid) or s == t."""
+        qpos = torch.arange(start, start + rows, device=self.valid.device)[:, None]
+        kpos = torch.arange(keys, device=self.valid.device)[None, :]
+        return ((kpos <= qpos) & self.valid[:, None, :keys]) | (kpos == qpos)
+
+    def _chunk(self, q: Tensor, k0: Tensor, v0: Tensor, kd: Tensor, vd: Tensor, start: int) -> Tensor:
+        # q (B, kv, g, C, d) queries start..start+C-1; k0/v0 (B, kv, b, d) step-0 keys 0..b-1 (b = start + C);
+        # kd/vd (B, kv, step, C, d) the same positions' own earlier steps -> (B, kv, g, C, d)
+        C, b, scale = q.shape[3], k0.shape[2], q.shape[-1] ** -0.5
+        s0 = torch.einsum("bkgcd,bksd->bkgcs", q, k0) * scale  # (B, kv, g, C, b)
+        s0 = s0.masked_fill(~self._step0_visible(start, C, b)[:, None, None], float("-inf"))
+        sd = torch.einsum("bkgcd,bkicd->bkgci", q, kd) * scale  # (B, kv, g, C, step)
+        p = torch.cat([s0, sd], dim=-1).float().softmax(-1).to(v0.dtype)
+        return (torch.einsum("bkgcs,bksd->bkgcd", p[..., :b], v0)
+                + torch.einsum("bkgci,bkicd->bkgcd", p[..., b:], vd))
 
 
 def cached_mask(slot_valid: Tensor, num_new: int) -> Tensor:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
 from draftkit.heads.layers import last_valid
+from draftkit.heads.losses import kl_rows
 from draftkit.target import FINAL
 
 
@@ -119,16 +120,15 @@ class MedusaHead(DraftHead):
         for i, w in enumerate(self.config.weights()):
             n = max(T - 2 - i, 0)  # positions t whose x_{t+i+2} exists
             sup = lm[:, 2 + i:] & attn[:, :n]  # (B, n)
-            logp = F.log_softmax(self.head_logits(i, f[:, :n][sup]), dim=-1)  # (M, V)
-            with torch.no_grad():
-                tgt = self.target_logits(final[:, 1 + i: 1 + i + n][sup])  # target at t+i+1 -> x_{t+i+2}
-                tgt_logp = F.log_softmax(tgt, dim=-1)
-            M = max(logp.shape[0], 1)
-            kl = (tgt_logp.exp() * (tgt_logp - logp)).sum() / M
+            # The target at t+i+1 gives x_{t+i+2}'s distribution; rows in chunks (heads/losses.py).
+            kl, pred, top = kl_rows(lambda x, i=i: self.head_logits(i, x), self.target_logits_top1,
+                                    f[:, :n][sup], final[:, 1 + i: 1 + i + n][sup], vocab=self.config.vocab_size)
+            M = max(kl.shape[0], 1)
+            kl = kl.sum() / M
             total = total + w * kl
             metrics[f"kl_{i}"] = kl.detach()
-            metrics[f"acc_{i}"] = (logp.argmax(-1) == tgt.argmax(-1)).float().sum().detach() / M
-            metrics.setdefault("tokens", torch.tensor(float(logp.shape[0])))
+            metrics[f"acc_{i}"] = (pred == top).float().sum().detach() / M
+            metrics.setdefault("tokens", torch.tensor(float(pred.shape[0])))
         return {"loss": total, "acc": metrics["acc_0"], **metrics}
 
     # ---- drafting ----

@@ -57,17 +57,14 @@ def check_draft_vocab_size(size: int, target) -> None:
                         f"(the vocabulary of target {target.name})")
 
 
-def restricted_kl(draft_logp: Tensor, tgt_draft_logits: Tensor, top: Tensor, t2d: Tensor) -> Tensor:
-    """KL(p_target restricted to the draft vocab, renormalised || p̂) over M positions.
+def in_vocab_mean(kl: Tensor, top: Tensor, t2d: Tensor) -> Tensor:
+    """Mean of the per-row KL (M,) over rows whose target top-1 `top` (M,) the draft vocabulary can say.
 
-    draft_logp (M, N) the head's log-probs over the draft vocab; tgt_draft_logits (M, N) the
-    target's logits on the same tokens; top (M,) the target's full-vocabulary argmax. Positions
-    whose top-1 the draft vocabulary cannot say are left out of the mean (the EAGLE-3 reference).
+    The KL itself is KL(p_target restricted to the draft vocab, renormalised || p̂), computed by
+    draftkit.heads.losses.kl_rows with `target_on_draft_vocab` as the teacher. Positions whose top-1
+    lies outside are left out of the mean (the EAGLE-3 reference).
     """
-    with torch.no_grad():
-        tgt_logp = torch.log_softmax(tgt_draft_logits.float(), dim=-1)  # (M, N) renormalised
-        in_vocab = t2d[top].float()  # (M,)
-    kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)  # (M,)
+    in_vocab = t2d[top].float()  # (M,)
     return (kl * in_vocab).sum() / in_vocab.sum().clamp(min=1)
 
 

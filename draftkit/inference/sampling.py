@@ -67,13 +67,15 @@ def _mask_outside_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 def _mask_outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     probs = logits.softmax(dim=-1)  # (..., V)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (..., V) each
+    sorted_probs = probs.sort(dim=-1, descending=True, stable=True).values  # (..., V)
     # A token is dropped when the tokens ranked above it already hold >= top_p of the mass.
     # The most likely token has zero mass above it, so at least one token always survives.
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # (..., V)
-    drop_sorted = mass_above >= top_p  # (..., V) in sorted order
-    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back to vocab order
-    return logits.masked_fill(drop, float("-inf"))
+    kept = (mass_above < top_p).sum(dim=-1, keepdim=True)  # (..., 1) >= 1
+    cutoff = sorted_probs.gather(-1, kept - 1)  # (..., 1) the smallest kept probability
+    # Every token tied with the last kept one survives (as in top-k): which of equal values a sort
+    # puts first differs between CPU and GPU kernels, and the nucleus must not depend on it.
+    return logits.masked_fill(probs < cutoff, float("-inf"))
 
 
 # ---------------------------------------------------------------------------------------------

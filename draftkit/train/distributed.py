@@ -64,3 +64,11 @@ def mean_across(values: dict[str, float], device: torch.device) -> dict[str, flo
         torch.distributed.all_reduce(t)
         t /= torch.distributed.get_world_size()
     return dict(zip(keys, t.tolist()))
+
+
+def sum_across(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum of `t` over all ranks (a copy; `t` itself when not distributed)."""
+    if torch.distributed.is_initialized():
+        t = t.clone()
+        torch.distributed.all_reduce(t)
+    return t

@@ -22,7 +22,7 @@ from draftkit.target import Target, cache_root, load_target
 from draftkit.train import checkpoint
 from draftkit.train.data import FeatureStore, SampleOrder
 from draftkit.train.deepspeed_config import build_deepspeed_config, head_autocast, make_scheduler
-from draftkit.train.distributed import Dist, any_true, barrier, init_distributed, mean_across
+from draftkit.train.distributed import Dist, any_true, barrier, init_distributed, mean_across, sum_across
 
 log = logging.getLogger("draftkit.train")
 FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_STEP"  # SIGKILL this process after that step (tests only)
@@ -58,6 +58,14 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def holdout_shard(num_chunks: int, world: int, rank: int) -> list[tuple[int, float]]:
+    """(chunk index, weight) per forward of `rank`: chunks rank, rank + world, ... with weight 1,
+    then weight-0 repeats of chunk 0 until every rank has ceil(num_chunks / world) forwards."""
+    rounds = -(-num_chunks // world)
+    mine = [(i, 1.0) for i in range(rank, num_chunks, world)]
+    return mine + [(0, 0.0)] * (rounds - len(mine))
 
 
 def samples_needed(recipe: Recipe, global_batch: int) -> int:
@@ -178,39 +186,63 @@ class Trainer:
 
     @torch.no_grad()
     def heldout_agreement(self) -> dict[str, float]:
-        """Top-1 agreement and loss on held-aside samples (never trained on)."""
-        if not self.data.holdout_samples:
+        """Top-1 agreement and loss on held-aside samples (never trained on), sharded across ranks.
+
+        Each rank takes every world-th micro-batch and the sums are all-reduced, so the work is done
+        once in all. Every rank runs the same number of forwards (weight-0 repeats fill the short
+        ones): under ZeRO-3 each forward gathers the partitioned weights collectively.
+        """
+        samples = self.data.holdout_samples
+        if not samples:
             return {}
+        chunks = [samples[i: i + self.micro] for i in range(0, len(samples), self.micro)]
+        sums = torch.zeros(3, dtype=torch.float64, device=self.dist.device)  # loss x w, acc x w, w
         self.head.eval()
-        stats = {"loss": 0.0, "acc": 0.0}
-        n = 0
-        for i in range(0, len(self.data.holdout_samples), self.micro):
-            chunk = self.data.holdout_samples[i: i + self.micro]
-            out = self.engine(self.features.batch(chunk, self.pad_id))
-            w = float(out["tokens"])
-            stats["loss"] += float(out["loss"]) * w
-            stats["acc"] += float(out["acc"]) * w
-            n += w
+        for index, weight in holdout_shard(len(chunks), self.dist.world_size, self.dist.rank):
+            out = self.engine(self.features.batch(chunks[index], self.pad_id))
+            w = float(out["tokens"]) * weight
+            sums += torch.tensor([float(out["loss"]) * w, float(out["acc"]) * w, w], dtype=torch.float64,
+                                 device=sums.device)
         self.head.train()
-        return {f"heldout_{k}": v / max(n, 1) for k, v in stats.items()}
+        loss, acc, n = sum_across(sums).tolist()
+        return {"heldout_loss": loss / max(n, 1), "heldout_acc": acc / max(n, 1)}
 
     def speculative_eval(self) -> dict[str, float]:
-        """τ and α_i of the real draft-verify loop on held-aside prompts (recipe: train.eval_every)."""
+        """τ and α_i of the real draft-verify loop on held-aside prompts (recipe: train.eval_every).
+
+        Runs once, on rank 0; the other ranks wait. Under ZeRO-3 rank 0 evaluates a plain copy of
+        the gathered head (the engine's own modules would gather collectively on every call).
+        """
         from draftkit.inference.evaluate import evaluate
 
         r = self.recipe.train
         if not self.data.holdout_prompts:
             return {}
-        self.head.eval()
-        try:  # every rank runs it (ZeRO-3 gathers collectively); only rank 0 logs
-            with self.gathered():
-                rep = evaluate(self.target, self.head, self.data.holdout_prompts, k=r.eval_k,
+        head = self.eval_head()  # collective under ZeRO-3; None on the other ranks
+        out: dict[str, float] = {}
+        if self.main:
+            head.eval()
+            try:
+                rep = evaluate(self.target, head, self.data.holdout_prompts, k=r.eval_k,
                                max_new_tokens=r.eval_max_new_tokens, baseline=False, ngram=False)
-        finally:
-            self.head.train()
-        out = {"tau": rep["tau"]}
-        out.update({f"alpha_{i + 1}": a for i, a in enumerate(rep["acceptance_per_position"])})
+            finally:
+                head.train()
+            out = {"tau": rep["tau"]}
+            out.update({f"alpha_{i + 1}": a for i, a in enumerate(rep["acceptance_per_position"])})
+        barrier()
         return out
+
+    def eval_head(self) -> DraftHead | None:
+        """The head rank 0 evaluates: itself, or under ZeRO-3 a copy of its gathered weights."""
+        if self.ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+            return self.head if self.main else None
+        copy = None
+        with self.gathered():
+            if self.main:
+                state = {k: v.detach().clone() for k, v in self.head.state_dict().items()}
+                copy = type(self.head)(self.head.config, self.head.shared).to(self.dist.device)
+                copy.load_state_dict(state)
+        return copy
 
     def run(self) -> Path:
         r = self.recipe.train

@@ -1,0 +1,59 @@
+"""Distillation KL over a vocabulary, bounded in memory: rows go through the vocabulary in chunks.
+
+A head's loss compares its distribution with the target's at M supervised positions over a
+vocabulary of N tokens. Done at once, that is several (M, N) fp32 tensors per head / depth /
+unrolled step, all kept for the backward: at length 2048, micro batch 4 and Llama-3's 128k
+vocabulary, 4 GB each. Here the rows are cut into chunks of at most LOSS_CHUNK_ELEMENTS logits;
+when there is more than one chunk each runs under activation checkpointing, so the backward
+recomputes one chunk's logits at a time and only (M,) vectors are kept. One chunk (the CPU recipes:
+2048 rows x 8192 draft tokens) runs exactly as before, without recomputation.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+# Logits per chunk (rows x vocabulary): 16M fp32 = 64 MB per (chunk, N) tensor.
+LOSS_CHUNK_ELEMENTS = 1 << 24
+
+Student = Callable[[Tensor], Tensor]  # (C, H) -> (C, N) logits, differentiable
+Teacher = Callable[..., tuple[Tensor, Tensor]]  # (C, ...) -> ((C, N) logits, (C,) top-1 target id)
+
+
+def chunk_rows(vocab: int, budget: int | None = None) -> int:
+    """Rows per chunk for a vocabulary of `vocab` tokens (budget: logits per chunk)."""
+    return max(1, (budget or LOSS_CHUNK_ELEMENTS) // max(vocab, 1))
+
+
+def _kl_chunk(student: Student, teacher: Teacher, h: Tensor, *teacher_in) -> tuple[Tensor, Tensor, Tensor]:
+    logp = F.log_softmax(student(h).float(), dim=-1)  # (C, N)
+    with torch.no_grad():
+        tgt_logits, top = teacher(*teacher_in)
+        tgt_logp = F.log_softmax(tgt_logits.float(), dim=-1)  # (C, N)
+    kl = (tgt_logp.exp() * (tgt_logp - logp)).sum(-1)  # (C,)
+    return kl, logp.detach().argmax(-1), top
+
+
+def kl_rows(student: Student, teacher: Teacher, h: Tensor, *teacher_in: Tensor | None,
+            vocab: int, budget: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row KL(p_teacher || p_student) over M rows, in row chunks of `budget` // vocab.
+
+    h (M, H) the student's input (budget None = LOSS_CHUNK_ELEMENTS); teacher_in: tensors (M, ...) (or None) handed to `teacher`
+    chunk by chunk. Returns kl (M,) (differentiable), the student's argmax (M,) over its N
+    tokens, and the teacher's top-1 (M,).
+    """
+    M, C = h.shape[0], chunk_rows(vocab, budget)
+    if M <= C:
+        return _kl_chunk(student, teacher, h, *teacher_in)
+    parts = []
+    for a in range(0, M, C):
+        args = [h[a:a + C], *(x[a:a + C] if x is not None else None for x in teacher_in)]
+        if torch.is_grad_enabled():  # the student's weights need gradients: recompute in backward
+            parts.append(checkpoint(_kl_chunk, student, teacher, *args, use_reentrant=False))
+        else:
+            parts.append(_kl_chunk(student, teacher, *args))
+    return tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
