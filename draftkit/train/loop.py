@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from draftkit.config import Recipe
 from draftkit.heads import DraftHead, build_head
+from draftkit.heads.vocab import token_counts
 from draftkit.target import Target, cache_root, load_target
 from draftkit.train import checkpoint
 from draftkit.train.data import FeatureStore, SampleOrder
@@ -118,8 +119,9 @@ class Trainer:
             log.info("data: %d training samples, %d held-aside (%.0f s): %s", len(self.data.train),
                      len(self.data.holdout_samples), time.time() - t0, json.dumps(self.data.stats, default=str))
         if hasattr(self.head, "set_draft_vocab"):  # EAGLE-3 / EAGLE-1: the most frequent response tokens
-            self.head.set_draft_vocab(tokens=[t for s in self.data.train
-                                              for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
+            self.head.set_draft_vocab(counts=token_counts([s["input_ids"] for s in self.data.train],
+                                                          self.target.vocab_size,
+                                                          masks=[s["loss_mask"] for s in self.data.train]))
         self.order = SampleOrder(len(self.data.train), r.train.seed)
         feature_dir = (Path(r.data.cache_dir) if r.data.cache_dir else cache_root()) / "features"
         self.features = FeatureStore(self.target, self.head.feature_layers,
