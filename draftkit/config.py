@@ -54,6 +54,11 @@ class DataConfig:
     max_length: int = 512
     # What to do with longer samples: cut them at max_length, or drop them.
     overlong: Literal["truncate", "drop"] = "truncate"
+    # Which tokens the head learns to predict (the target's distribution is the label on each):
+    # "response" the target's responses; "target_text" those plus prompt passages that are the
+    # target's own text (grounded tasks' passages); "all" every token up to the response's end.
+    # Held-out agreement is always measured on responses. See distill/samples.py.
+    loss_on: Literal["response", "target_text", "all"] = "response"
     # Distinct prompts to prepare; None = as many as the run consumes (max_steps x global batch / epochs).
     num_prompts: int | None = None
     # Prompts held aside (never trained on) for held-out agreement and in-training evaluation.

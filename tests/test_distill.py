@@ -381,3 +381,66 @@ def test_interrupted_synthesis_continues_from_finished_batches(model, tokenizer,
         p.unlink()
     assert synthesize_cached(model, tokenizer, 6, settings, tmp_path, target_id="t", seed=1, progress=False) == more
     assert len(generated_rows) == done
+
+
+# ----------------------------------------------------------------------------- data.loss_on
+
+def _marked(tokenizer, sample) -> list[str]:
+    """The supervised spans of a sample, each decoded (contiguous runs of loss_mask == 1)."""
+    runs, cur = [], []
+    for t, m in zip(sample["input_ids"], sample["loss_mask"]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tokenizer.decode(cur))
+            cur = []
+    return runs + ([tokenizer.decode(cur)] if cur else [])
+
+
+def test_loss_on_marks_exactly_response_target_text_or_all(tokenizer):
+    passage = "Cats eat meat, mostly fish and mice."
+    task = f"Summarize the following text in two or three sentences.\n\n{passage}"
+    prompt = Prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": task}],
+                    "grounded-summarize", "g", target_text=(passage,))
+    conv = Conversation(prompt, "Cats are carnivores.", False, 0)
+    resp = tokenize_conversation(tokenizer, conv, "response")
+    own = tokenize_conversation(tokenizer, conv, "target_text")
+    every = tokenize_conversation(tokenizer, conv, "all")
+    assert resp["input_ids"] == own["input_ids"] == every["input_ids"]
+    assert _marked(tokenizer, resp) == ["Cats are carnivores.<|im_end|>"]
+    assert _marked(tokenizer, own) == [passage, "Cats are carnivores.<|im_end|>"]
+    tail = every["input_ids"].index(tokenizer.eos_token_id, len(every["input_ids"]) - 3)  # the response's eot
+    assert every["loss_mask"] == [1] * (tail + 1) + [0] * (len(every["input_ids"]) - tail - 1)
+    assert tokenizer.decode(every["input_ids"][tail + 1:]) == "\n"  # the template tail: never in the loss
+    # a prompt without target text: target_text is response only; earlier dataset replies are not target text
+    context = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "A dataset reply."},
+               {"role": "user", "content": "And now?"}]
+    plain = Conversation(Prompt(context, None, "p"), "Now this.", False, 0)
+    assert _marked(tokenizer, tokenize_conversation(tokenizer, plain, "target_text")) == ["Now this.<|im_end|>"]
+    assert "A dataset reply." in _marked(tokenizer, tokenize_conversation(tokenizer, plain, "all"))[0]
+    # a truncated response: its artificial end-of-turn token stays out under every choice
+    cut = Conversation(prompt, "Cats are", True, 0)
+    for loss_on in ("response", "target_text", "all"):
+        assert _marked(tokenizer, tokenize_conversation(tokenizer, cut, loss_on))[-1].endswith("Cats are")
+
+
+def test_build_samples_counts_loss_tokens_and_rejects_unknown_loss_on(tokenizer):
+    passage = "The river floods every spring and the farmers plant after it."
+    prompt = Prompt([{"role": "user", "content": f"Rewrite this.\n\n{passage}"}], None, "g", target_text=(passage,))
+    conv = Conversation(prompt, "The river floods yearly.", False, 0)
+    n_passage = len(tokenizer(passage, add_special_tokens=False)["input_ids"])
+    by = {lo: build_samples(tokenizer, [conv], 256, loss_on=lo)[1] for lo in ("response", "target_text", "all")}
+    assert by["response"]["loss_tokens"] == by["response"]["assistant_tokens"] == by["all"]["assistant_tokens"]
+    assert by["target_text"]["loss_tokens"] == by["response"]["loss_tokens"] + n_passage
+    assert by["all"]["loss_tokens"] == by["all"]["tokens"] - 1  # all but the template's trailing newline
+    # cut inside the prompt: no response token left, dropped whatever loss_on says
+    samples, stats = build_samples(tokenizer, [conv], 8, loss_on="all")
+    assert samples == [] and stats["dropped_no_assistant"] == 1
+    with pytest.raises(ValueError, match=r"data.loss_on: 'prompt' is not one of"):
+        build_samples(tokenizer, [conv], 64, loss_on="prompt")
+
+
+def test_grounded_prompts_name_their_passage_as_target_text():
+    convs = [_conv([{"role": "user", "content": "What do cats eat?"}], "  Cats eat meat, mostly fish. " * 8)]
+    (p,) = grounded_prompts(convs, 1, GroundedSettings(fraction=0.5, min_chars=10), seed=0)
+    assert p.target_text == (convs[0].response.strip(),) and p.target_text[0] in p.messages[0]["content"]

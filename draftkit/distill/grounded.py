@@ -73,5 +73,5 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
                                   language=LANGUAGES[rng.randrange(len(LANGUAGES))])
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         out.append(Prompt([{"role": "user", "content": text}], f"grounded-{task}",
-                          f"grounded:{task}:{digest}"))
+                          f"grounded:{task}:{digest}", target_text=(conv.response.strip(),)))
     return out

@@ -43,6 +43,12 @@ class Prompt:
     category: str | None
     # Stable id, "<source label>:<record id or index>".
     id: str
+    # Passages inside `messages` that are the target's own text (a grounded task's passage is the
+    # target's answer to another prompt): trained on with data.loss_on: target_text.
+    target_text: tuple[str, ...] = ()
+    # The source's own reply to the last user turn (ShareGPT / OpenAI messages with an assistant
+    # turn after it), None when it has none: the response trained on with data.responses.mode: keep.
+    reply: str | None = None
 
     def key(self) -> str:
         """sha256 of the messages: identical prompts have identical keys, whatever their id."""

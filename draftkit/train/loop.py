@@ -77,7 +77,7 @@ def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -
                   world_size=dist.world_size, barrier=barrier, progress=dist.is_main)
     train, holdout_prompts, stats = prepare_samples(
         target.model, target.tokenizer, sources=d.sources or None, num_samples=num_samples,
-        num_holdout=d.holdout, max_length=d.max_length, overlong=d.overlong, generation=d.responses,
+        num_holdout=d.holdout, max_length=d.max_length, overlong=d.overlong, loss_on=d.loss_on, generation=d.responses,
         synthesis=d.synthesize, grounded=d.grounded, seed=recipe.train.seed, **common)
     if not train:
         raise ValueError(f"data: no training samples left after filtering ({stats})")
