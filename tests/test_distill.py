@@ -444,3 +444,44 @@ def test_grounded_prompts_name_their_passage_as_target_text():
     convs = [_conv([{"role": "user", "content": "What do cats eat?"}], "  Cats eat meat, mostly fish. " * 8)]
     (p,) = grounded_prompts(convs, 1, GroundedSettings(fraction=0.5, min_chars=10), seed=0)
     assert p.target_text == (convs[0].response.strip(),) and p.target_text[0] in p.messages[0]["content"]
+
+
+# ----------------------------------------------------------------------------- data.responses.mode: keep
+
+def test_keep_trains_on_the_sources_own_replies_without_generating(model, tokenizer, tmp_path, generated_rows):
+    sharegpt = tmp_path / "chat.json"
+    sharegpt.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "Name a red fruit."},
+                                      {"from": "gpt", "value": "A strawberry."}]},
+        {"id": "b", "conversations": [{"from": "system", "value": "Be terse."},
+                                      {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."},
+                                      {"from": "human", "value": "Sky colour?"}, {"from": "gpt", "value": "Blue."}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "Unanswered question?"}]}]))
+    openai = _write_jsonl(tmp_path / "msgs.jsonl", [
+        {"id": "d", "messages": [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."}]},
+        {"id": "e", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": ""}]}])
+    sources = [PromptSource(str(sharegpt)), PromptSource(str(openai))]
+    keep = GenerationSettings(max_new_tokens=8, batch_size=4, mode="keep")
+    samples, holdout, stats = prepare_samples(
+        model, tokenizer, sources=sources, num_samples=5, num_holdout=0, max_length=256,
+        generation=keep, cache_dir=tmp_path / "cache", target_id="tiny", progress=False)
+    assert generated_rows == [] and not (tmp_path / "cache").exists()  # no generation, nothing cached
+    got = sorted(_masked_text(tokenizer, s) for s in samples)
+    assert got == ["A strawberry.<|im_end|>", "Blue.<|im_end|>", "Four.<|im_end|>"]  # c, e: no reply, skipped
+    multi = next(s for s in samples if "Blue." in _masked_text(tokenizer, s))
+    assert "Hello." in tokenizer.decode(multi["input_ids"])  # the earlier reply stays as context, unmasked
+    assert stats["response_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+
+
+def test_keep_refuses_sources_without_replies_synthesis_and_grounded(model, tokenizer, tmp_path):
+    kw = dict(num_samples=2, num_holdout=0, max_length=64, cache_dir=tmp_path, target_id="tiny", progress=False,
+              generation=GenerationSettings(mode="keep"))
+    with pytest.raises(ValueError, match=r"keep needs sources whose records carry a reply.*prompt:"):
+        prepare_samples(model, tokenizer, sources=[PromptSource(str(DATA / "prompt.jsonl"))], **kw)
+    with pytest.raises(ValueError, match=r"data.sources is empty"):
+        prepare_samples(model, tokenizer, sources=None, **kw)
+    with pytest.raises(ValueError, match=r"data.grounded.fraction"):
+        prepare_samples(model, tokenizer, sources=[PromptSource(str(DATA / "sharegpt.json"))],
+                        grounded=GroundedSettings(fraction=0.5), **kw)
+    # the mode never changes the regeneration cache key: regenerated responses are shared
+    assert GenerationSettings(mode="keep").fingerprint("t") == GenerationSettings().fingerprint("t")

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .grounded import GroundedSettings, grounded_prompts
-from .regenerate import Conversation, GenerationSettings, chat_ids, end_of_turn_ids, regenerate
+from .regenerate import Conversation, GenerationSettings, chat_ids, end_of_turn_ids, regenerate, responses
 from .sources import Prompt, PromptSource, load_prompts
 from .synthesize import SynthesisSettings, synthesize_cached
 
@@ -164,6 +164,12 @@ def prepare_samples(
     """
     generation = generation or GenerationSettings()
     grounded = grounded or GroundedSettings()
+    if generation.mode == "keep" and not sources:
+        raise ValueError("data.responses.mode: keep trains on the sources' own replies; data.sources is empty "
+                         "(synthesized prompts have none): add sources or use mode: regenerate")
+    if generation.mode == "keep" and grounded.fraction:
+        raise ValueError("data.grounded.fraction: grounded passages must be the target's own answers, which "
+                         "data.responses.mode: keep does not produce; set it to 0 or use mode: regenerate")
     num_grounded = round(num_samples * grounded.fraction)
     need = num_samples - num_grounded + num_holdout
     if sources:
@@ -174,7 +180,7 @@ def prepare_samples(
                                     world_size=world_size, barrier=barrier, progress=progress)
     holdout, train = prompts[:num_holdout], prompts[num_holdout:]
     common = dict(target_id=target_id, rank=rank, world_size=world_size, barrier=barrier, progress=progress)
-    convs = regenerate(model, tokenizer, train, generation, Path(cache_dir), **common)
+    convs = responses(model, tokenizer, train, generation, Path(cache_dir), **common)
     if num_grounded:
         tasks = grounded_prompts(convs, num_grounded, grounded, seed=seed)
         convs = convs + regenerate(model, tokenizer, tasks, generation, Path(cache_dir), **common)

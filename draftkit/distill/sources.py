@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftkit.prompts import detect_shape, record_id, to_messages
+from draftkit.prompts import detect_shape, record_id, to_messages, to_reply
 
 if TYPE_CHECKING:
     import datasets
@@ -118,7 +118,8 @@ def _load_source(src: PromptSource) -> list[Prompt]:
         if not messages:
             dropped += 1
             continue
-        prompts.append(Prompt(messages, record.get("category") or None, f"{label}:{record_id(record, i)}"))
+        prompts.append(Prompt(messages, record.get("category") or None, f"{label}:{record_id(record, i)}",
+                              reply=to_reply(shape, record)))
     log.info("%s: %d prompts (%s), %d records dropped", src.path, len(prompts), shape, dropped)
     return prompts
 

@@ -69,7 +69,8 @@ def samples_needed(recipe: Recipe, global_batch: int) -> int:
 
 def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -> Prepared:
     """Prompts -> target responses -> token samples (cached, content-keyed), plus held-aside ones."""
-    from draftkit.distill import build_samples, prepare_samples, regenerate
+    from draftkit.distill import build_samples, prepare_samples
+    from draftkit.distill.regenerate import responses
 
     d = recipe.data
     cache = Path(d.cache_dir) if d.cache_dir else cache_root() / "data"
@@ -83,7 +84,7 @@ def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -
         raise ValueError(f"data: no training samples left after filtering ({stats})")
     holdout = []
     if holdout_prompts:
-        convs = regenerate(target.model, target.tokenizer, holdout_prompts, d.responses, **common)
+        convs = responses(target.model, target.tokenizer, holdout_prompts, d.responses, **common)
         holdout, _ = build_samples(target.tokenizer, convs, d.max_length, d.overlong)
     return Prepared(train, holdout, holdout_prompts, stats)
 
