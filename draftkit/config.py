@@ -65,6 +65,12 @@ class DataConfig:
     holdout: int = 8
     # Where regenerated responses and features are cached (content-keyed); default ~/.cache/draftkit/data.
     cache_dir: str | None = None
+    # Where `draftkit prepare` (and the trainer, which runs the same stage) writes the prepared
+    # shards and manifest; None = <cache_dir>/prepared/<fingerprint of the data settings>. A directory
+    # prepared for other settings is refused. See distill/prepare.py.
+    prepared_dir: str | None = None
+    # Conversations per prepared shard (the unit ranks split the tokenising and writing by).
+    shard_size: int = 2000
 
 
 @dataclass

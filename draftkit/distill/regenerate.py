@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from draftkit.prompts import end_of_turn_ids, stop_token_ids  # noqa: F401  (re-
 from .sources import Prompt
 
 log = logging.getLogger(__name__)
+FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_BATCH"  # SIGKILL after writing that many response batches (tests only)
 
 
 @dataclass
@@ -169,6 +171,8 @@ def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path,
         outs = generate_batch(model, tokenizer, [ids[i] for i in batch], settings)
         records = [{"key": keys[i], "id": prompts[i].id, **o} for i, o in zip(batch, outs)]
         _write_atomic(cache, records)
+        if os.environ.get(FAULT_KILL) == str(b // settings.batch_size + 1):  # the kill-and-rerun tests
+            os.kill(os.getpid(), signal.SIGKILL)
         n_tokens += sum(o["num_tokens"] for o in outs)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")

@@ -136,13 +136,25 @@ def _target_text_tokens(tokenizer, conv: Conversation, full: list[int], prompt_l
 
 
 def prepare_samples(
+    model, tokenizer, *, max_length: int, overlong: str = "truncate", loss_on: str = "response", **kw,
+) -> tuple[list[dict], list[Prompt], dict]:
+    """Prompts -> target responses -> token samples, sized to the run (kw: prepare_conversations's).
+
+    Returns (train_samples, holdout_prompts, stats).
+    """
+    convs, holdout, conv_stats = prepare_conversations(model, tokenizer, **kw)
+    samples, stats = build_samples(tokenizer, convs, max_length, overlong, loss_on)
+    stats.update(conv_stats)
+    if stats["kept"] < kw["num_samples"]:
+        log.warning("prepared %d training samples of the %d asked for", stats["kept"], kw["num_samples"])
+    return samples, holdout, stats
+
+
+def prepare_conversations(
     model, tokenizer, *,
     sources: list[PromptSource] | None,
     num_samples: int,
     num_holdout: int,
-    max_length: int,
-    overlong: str = "truncate",
-    loss_on: str = "response",
     generation: GenerationSettings | None = None,
     synthesis: SynthesisSettings | None = None,
     grounded: GroundedSettings | None = None,
@@ -153,14 +165,15 @@ def prepare_samples(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     progress: bool = True,
-) -> tuple[list[dict], list[Prompt], dict]:
-    """Prompts -> target responses -> token samples, sized to the run.
+) -> tuple[list[Conversation], list[Prompt], dict]:
+    """Prompts -> the responses to train on, sized to the run.
 
     num_plain + num_holdout prompts are loaded from `sources` (or synthesized from the target,
     Magpie-style, when `sources` is None), num_plain = num_samples minus the grounded share. The
     first num_holdout are held aside for evaluation and never trained on; the target answers the
-    others, and then the grounded prompts built from those answers (distill/grounded.py).
-    Returns (train_samples, holdout_prompts, stats).
+    others, and then the grounded prompts built from those answers (distill/grounded.py). A prompt
+    is trained on once: repeats (of a held-aside one too) are dropped.
+    Returns (train_conversations, holdout_prompts, stats).
     """
     generation = generation or GenerationSettings()
     grounded = grounded or GroundedSettings()
@@ -178,17 +191,28 @@ def prepare_samples(
         prompts = synthesize_cached(model, tokenizer, need, synthesis or SynthesisSettings(),
                                     Path(cache_dir), target_id=target_id, seed=seed, rank=rank,
                                     world_size=world_size, barrier=barrier, progress=progress)
-    holdout, train = prompts[:num_holdout], prompts[num_holdout:]
+    holdout = prompts[:num_holdout]
+    seen = {p.key() for p in holdout}
+    train = _first_of_each(prompts[num_holdout:], seen)
     common = dict(target_id=target_id, rank=rank, world_size=world_size, barrier=barrier, progress=progress)
     convs = responses(model, tokenizer, train, generation, Path(cache_dir), **common)
     if num_grounded:
-        tasks = grounded_prompts(convs, num_grounded, grounded, seed=seed)
+        tasks = _first_of_each(grounded_prompts(convs, num_grounded, grounded, seed=seed), seen)
         convs = convs + regenerate(model, tokenizer, tasks, generation, Path(cache_dir), **common)
-    samples, stats = build_samples(tokenizer, convs, max_length, overlong, loss_on)
-    stats.update(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
+    stats = dict(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
                  responses_truncated=sum(c.truncated for c in convs),
                  response_tokens=sum(c.num_tokens for c in convs),
                  source="synthesized" if not sources else [asdict(s) for s in sources])
-    if stats["kept"] < num_samples:
-        log.warning("prepared %d training samples of the %d asked for", stats["kept"], num_samples)
-    return samples, holdout, stats
+    return convs, holdout, stats
+
+
+def _first_of_each(prompts: list[Prompt], seen: set[str]) -> list[Prompt]:
+    """prompts without those whose messages are in `seen` or repeat an earlier one (adds to seen)."""
+    out = []
+    for p in prompts:
+        if p.key() not in seen:
+            seen.add(p.key())
+            out.append(p)
+    if len(out) < len(prompts):
+        log.info("dropped %d repeated prompts", len(prompts) - len(out))
+    return out

@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from draftkit.config import Recipe
+from draftkit.distill.prepare import Prepared
 from draftkit.heads import DraftHead, build_head
 from draftkit.heads.vocab import token_counts
 from draftkit.target import Target, cache_root, load_target
@@ -47,14 +47,6 @@ class TrainWrapper(torch.nn.Module):
             return self.head.loss(features)
 
 
-@dataclass
-class Prepared:
-    train: list[dict]
-    holdout_samples: list[dict]
-    holdout_prompts: list
-    stats: dict
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -68,25 +60,13 @@ def samples_needed(recipe: Recipe, global_batch: int) -> int:
 
 
 def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -> Prepared:
-    """Prompts -> target responses -> token samples (cached, content-keyed), plus held-aside ones."""
-    from draftkit.distill import build_samples, prepare_samples
-    from draftkit.distill.regenerate import responses
+    """Stage 1 (distill/prepare.py: responses -> shards, or the finished shards found), then read them."""
+    from draftkit.distill.prepare import load_prepared, prepare
 
-    d = recipe.data
-    cache = Path(d.cache_dir) if d.cache_dir else cache_root() / "data"
-    common = dict(cache_dir=cache, target_id=f"{target.name}:{target.fingerprint}", rank=dist.rank,
-                  world_size=dist.world_size, barrier=barrier, progress=dist.is_main)
-    train, holdout_prompts, stats = prepare_samples(
-        target.model, target.tokenizer, sources=d.sources or None, num_samples=num_samples,
-        num_holdout=d.holdout, max_length=d.max_length, overlong=d.overlong, loss_on=d.loss_on, generation=d.responses,
-        synthesis=d.synthesize, grounded=d.grounded, seed=recipe.train.seed, **common)
-    if not train:
-        raise ValueError(f"data: no training samples left after filtering ({stats})")
-    holdout = []
-    if holdout_prompts:
-        convs = responses(target.model, target.tokenizer, holdout_prompts, d.responses, **common)
-        holdout, _ = build_samples(target.tokenizer, convs, d.max_length, d.overlong)
-    return Prepared(train, holdout, holdout_prompts, stats)
+    data = load_prepared(prepare(recipe, target, dist, num_samples))
+    if not data.train:
+        raise ValueError(f"data: no training samples left after filtering ({data.stats})")
+    return data
 
 
 class Trainer:

@@ -1,0 +1,158 @@
+"""`draftkit prepare`: stage 1 as shards with a manifest, read back by the trainer; faults survived.
+
+In-process tests run one rank on the tiny random target of test_train; the launcher test starts
+real `python` / `torchrun` processes (two ranks, one SIGKILLed run) and compares the shards' bytes.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from draftkit.config import load_recipe
+from draftkit.distill.shards import MANIFEST, ShardError, file_sha256, read_manifest
+from draftkit.train.distributed import Dist
+from tests.test_train import ROOT, VENV_BIN, launch, prompt_file, recipe_args, tiny_model_dir  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ONE = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def small(tiny_model_dir, prompt_file, tmp_path, *extra):
+    return recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache",
+                       "data.num_prompts=10", "data.shard_size=4", *extra)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    from draftkit.target import load_target
+
+    return load_target(str(tiny_model_dir), dtype="float32")
+
+
+def count_generate(target, monkeypatch) -> list[int]:
+    rows, original = [], target.model.generate
+
+    def counting(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target.model, "generate", counting)
+    return rows
+
+
+def test_prepare_writes_shards_the_trainer_reads_without_preparing_again(target, tiny_model_dir, prompt_file,
+                                                                          tmp_path, monkeypatch):
+    import datasets
+
+    from draftkit.distill import prepare_samples
+    from draftkit.distill.prepare import load_prepared, prepare
+    from draftkit.train.loop import prepare_data
+
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path))
+    generated = count_generate(target, monkeypatch)
+    out = prepare(recipe, target, ONE, 10)
+    assert sum(generated) == 12  # 10 training prompts and the 2 held aside, each answered once
+    manifest = read_manifest(out)
+    assert [e["file"] for e in manifest["splits"]["train"]] == [
+        "train-00000-of-00003.parquet", "train-00001-of-00003.parquet", "train-00002-of-00003.parquet"]
+    assert [e["rows"] for e in manifest["splits"]["train"]] == [4, 4, 2]
+    assert manifest["splits"]["holdout"][0]["rows"] == 2 and manifest["num_samples"] == 10
+    for e in manifest["splits"]["train"]:
+        assert e["sha256"] == file_sha256(out / e["file"]) and e["bytes"] == (out / e["file"]).stat().st_size
+    # the same samples the in-memory path builds, in the same order
+    d = recipe.data
+    want, holdout, _ = prepare_samples(target.model, target.tokenizer, sources=d.sources, num_samples=10,
+                                       num_holdout=2, max_length=d.max_length, generation=d.responses,
+                                       cache_dir=tmp_path / "cache", target_id=f"{target.name}:{target.fingerprint}",
+                                       progress=False)
+    got = load_prepared(out)
+    assert got.train == want and len(want) == 10
+    assert [p.messages for p in got.holdout_prompts] == [p.messages for p in holdout]
+    assert manifest["stats"]["kept"] == 10 and manifest["stats"]["loss_tokens"] == sum(sum(s["loss_mask"]) for s in want)
+    # loadable with `datasets`, the very same rows
+    ds = datasets.load_dataset("parquet", data_files=str(out / "train-*.parquet"), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    assert ds["input_ids"] == [s["input_ids"] for s in want] and ds["loss_mask"] == [s["loss_mask"] for s in want]
+    # the trainer finds the finished directory: no generation, the same data
+    generated.clear()
+    data = prepare_data(recipe, target, ONE, 10)
+    assert generated == [] and data.train == want and len(data.holdout_samples) == 2
+    # other settings are another directory (here: the loss mask), which reuses the cached responses
+    other = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path, "data.loss_on=all"))
+    all_out = prepare(other, target, ONE, 10)
+    assert all_out != out and generated == []
+    assert all(sum(a["loss_mask"]) > sum(r["loss_mask"]) for a, r in zip(load_prepared(all_out).train, want))
+
+
+def test_corrupt_or_truncated_shard_is_named_then_rewritten(target, tiny_model_dir, prompt_file, tmp_path, caplog):
+    from draftkit.distill.prepare import load_prepared, prepare
+
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path))
+    out = prepare(recipe, target, ONE, 10)
+    shard = out / "train-00001-of-00003.parquet"
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(ShardError, match=r"train-00001-of-00003.parquet: truncated, corrupt or missing"):
+        load_prepared(out)
+    shard.write_bytes(good[:-9] + bytes(b ^ 1 for b in good[-9:]))  # same size, flipped bits
+    with pytest.raises(ShardError, match=r"train-00001-of-00003.parquet: truncated, corrupt or missing"):
+        load_prepared(out)
+    with caplog.at_level("INFO", logger="draftkit.prepare"):
+        assert prepare(recipe, target, ONE, 10) == out  # regenerated, never read as it was
+    assert "train-00001-of-00003.parquet: corrupt (sha256 differs" in caplog.text
+    assert shard.read_bytes() == good and len(load_prepared(out).train) == 10
+    (out / MANIFEST).write_text("{not json")
+    with pytest.raises(ShardError, match=r"manifest.json: corrupt manifest"):
+        load_prepared(out)
+    assert prepare(recipe, target, ONE, 10) == out and read_manifest(out)["splits"]["train"][1]["rows"] == 4
+
+
+def test_prepared_dir_of_another_recipe_is_refused(target, tiny_model_dir, prompt_file, tmp_path):
+    from draftkit.distill.prepare import prepare
+
+    mine = tmp_path / "prepared"
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path,
+                                                                f"data.prepared_dir={mine}"))
+    assert prepare(recipe, target, ONE, 10) == mine
+    with pytest.raises(ShardError, match=r"data.prepared_dir: .*prepared for another recipe, target or size"):
+        prepare(recipe, target, ONE, 8)
+    bad = load_recipe(None, small(tiny_model_dir, prompt_file, tmp_path, "data.shard_size=0"))
+    with pytest.raises(ShardError, match=r"data.shard_size: conversations per shard must be >= 1, got 0"):
+        prepare(bad, target, ONE, 10)
+
+
+def shard_hashes(directory) -> dict[str, str]:
+    m = read_manifest(directory)
+    return {e["file"]: e["sha256"] for es in m["splits"].values() for e in es}
+
+
+@pytest.mark.integration
+def test_two_ranks_and_a_killed_run_write_the_same_shards_as_one(tiny_model_dir, prompt_file, tmp_path):
+    def prepare_cmd(launcher: list[str], cache: str) -> list[str]:
+        return [*launcher, "draftkit/distill/prepare.py", "recipes/quick.yaml",
+                *recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / cache,
+                             "data.num_prompts=12", "data.shard_size=4", "data.responses.batch_size=4")]
+
+    torchrun = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29541"]
+    one = launch(prepare_cmd([sys.executable], "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    (one_dir,) = (tmp_path / "one" / "prepared").iterdir()
+    assert f"prepared data in {one_dir}" in one.stdout
+    killed = launch(prepare_cmd(torchrun, "two"), env_extra={"DRAFTKIT_FAULT_KILL_AFTER_BATCH": "1"})
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr + killed.stdout
+    (two_dir,) = (tmp_path / "two" / "prepared").iterdir()
+    assert not (two_dir / MANIFEST).exists()
+    cached = sum(1 for _ in (tmp_path / "two").glob("responses-*/*.jsonl"))
+    assert cached >= 1  # the killed ranks left finished batches for the rerun
+    rerun = launch(prepare_cmd(torchrun, "two"))
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    assert two_dir.name == one_dir.name  # same data fingerprint, prepared by 2 ranks instead of 1
+    assert shard_hashes(two_dir) == shard_hashes(one_dir) and len(shard_hashes(one_dir)) == 4
+    for name in shard_hashes(one_dir):
+        assert (two_dir / name).read_bytes() == (one_dir / name).read_bytes()
+    m1, m2 = read_manifest(one_dir), read_manifest(two_dir)
+    assert m1["stats"]["kept"] == m2["stats"]["kept"] == 12
+    assert json.dumps(m1["splits"], sort_keys=True) == json.dumps(m2["splits"], sort_keys=True)
