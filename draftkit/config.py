@@ -97,6 +97,10 @@ class TrainConfig:
     # Target features: "offline" computes them once per sample and reuses them across epochs
     # (cached on disk); "online" recomputes them every step (no disk, more compute).
     features: Literal["offline", "online"] = "offline"
+    # How offline features are stored: "target" as computed (the target's dtype), "bfloat16", or
+    # "float8" (e4m3 with an fp32 scale per token and layer: half of bf16's bytes, read back in the
+    # target's dtype). The trainer prints bytes/token x tokens and refuses when the disk lacks room.
+    feature_storage: Literal["target", "bfloat16", "float8"] = "target"
     # Precision of the head's forward and backward matmuls (torch.autocast); weights, gradients and
     # AdamW stay fp32. "auto" = bfloat16 where the device multiplies bf16 natively (a CUDA GPU with
     # bf16, a CPU with AMX or AVX512-BF16: several times faster than fp32 there), else float32.

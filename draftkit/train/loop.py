@@ -106,7 +106,10 @@ class Trainer:
         self.order = SampleOrder(len(self.data.train), r.train.seed)
         feature_dir = (Path(r.data.cache_dir) if r.data.cache_dir else cache_root()) / "features"
         self.features = FeatureStore(self.target, self.head.feature_layers,
-                                     feature_dir if r.train.features == "offline" else None)
+                                     feature_dir if r.train.features == "offline" else None, r.train.feature_storage)
+        disk = self.features.check_disk(sum(len(s["input_ids"]) for s in self.data.train + self.data.holdout_samples))
+        if self.main:
+            log.info(disk)
 
     def build_engine(self) -> None:
         import deepspeed
