@@ -156,3 +156,29 @@ def test_two_ranks_and_a_killed_run_write_the_same_shards_as_one(tiny_model_dir,
     m1, m2 = read_manifest(one_dir), read_manifest(two_dir)
     assert m1["stats"]["kept"] == m2["stats"]["kept"] == 12
     assert json.dumps(m1["splits"], sort_keys=True) == json.dumps(m2["splits"], sort_keys=True)
+
+
+def test_stage_two_fills_the_trainers_feature_cache(target, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    from draftkit.distill.prepare import load_prepared, prepare, prepare_features
+    from draftkit.heads import build_head
+    from draftkit.train.data import feature_store
+
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path,
+                                                                "head.type=eagle3", "head.feature_layers=[1,2,3]",
+                                                                "train.feature_storage=float8"))
+    out = prepare(recipe, target, ONE, 10)
+    said = prepare_features(recipe, target, ONE, out, batch_size=3)
+    layers = build_head(recipe.head, target).feature_layers
+    store = feature_store(recipe, target, layers)
+    assert f"{store.bytes_per_token()} bytes/token" in said and store.dir.name.endswith("1_2_3-float8")
+    data = load_prepared(out)
+    assert len(list(store.dir.glob("*.safetensors"))) == len(data.train) + len(data.holdout_samples) == 12
+    calls = []
+    monkeypatch.setattr(target, "features", lambda *a, **k: calls.append(1))
+    feats = store.batch(data.train[:4], pad_id=0)  # the trainer's read: no target forward
+    assert calls == [] and store.computed == 0 and feats.hidden.shape[-1] == 3 * target.hidden_size
+    again = prepare_features(recipe, target, ONE, out)  # a rerun has nothing to do
+    assert calls == [] and again.split(" = ")[0] == said.split(" = ")[0]
+    online = load_recipe(None, small(tiny_model_dir, prompt_file, tmp_path, "train.features=online"))
+    with pytest.raises(ValueError, match="train.features: online"):
+        prepare_features(online, target, ONE, out)

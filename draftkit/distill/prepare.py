@@ -199,6 +199,36 @@ def load_prepared(directory: Path) -> Prepared:
                     [{k: r[k] for k in keep} for r in holdout if r["input_ids"]], prompts, manifest["stats"])
 
 
+def prepare_features(recipe, target, dist, directory: Path, batch_size: int = 8) -> str:
+    """Stage 2 (optional): the head family's target features of every prepared sample, into the
+    trainer's offline feature cache (train/data.py: one file per sample, content-keyed, atomic), so
+    training runs no target forward for them. Ranks split the samples; a rerun computes only what
+    is missing. Says (and checks first) what the features take on disk; ValueError when it lacks room."""
+    from tqdm import tqdm
+
+    from draftkit.heads import build_head
+    from draftkit.train.data import feature_store
+    from draftkit.train.distributed import barrier
+
+    if recipe.train.features != "offline":
+        raise ValueError("train.features: online recomputes features every step; stage 2 needs offline")
+    data = load_prepared(directory)
+    samples = data.train + data.holdout_samples
+    store = feature_store(recipe, target, build_head(recipe.head, target).feature_layers)
+    text = store.check_disk(sum(len(s["input_ids"]) for s in samples))
+    mine = sorted(samples[dist.rank::dist.world_size], key=lambda s: len(s["input_ids"]))  # little padding
+    pad = target.tokenizer.pad_token_id if target.tokenizer is not None else None
+    bar = tqdm(total=sum(len(s["input_ids"]) for s in mine), desc="features", unit="tok", unit_scale=True,
+               disable=not dist.is_main)
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i: i + batch_size]
+        store.ensure(chunk, 0 if pad is None else pad)
+        bar.update(sum(len(s["input_ids"]) for s in chunk))
+    bar.close()
+    barrier()
+    return text
+
+
 # ---------------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +238,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-processes", type=int, default=None,
                         help="processes the training run will use, which sizes the data when data.num_prompts "
                              "is not set (default: this launch's)")
+    parser.add_argument("--features", action="store_true",
+                        help="also compute the head's target features into the offline cache (stage 2)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -222,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from draftkit.heads import HeadError
     from draftkit.target import TargetError, load_target
     from draftkit.train.deepspeed_config import build_deepspeed_config
     from draftkit.train.distributed import init_distributed
@@ -237,7 +270,11 @@ def run(args: argparse.Namespace) -> int:
         world = args.train_processes or dist.world_size
         ds = build_deepspeed_config(recipe, world, dist.device.type == "cuda")
         out = prepare(recipe, target, dist, samples_needed(recipe, ds["train_batch_size"]))
-    except (ConfigError, TargetError, ShardError, ValueError) as e:
+        if args.features:
+            said = prepare_features(recipe, target, dist, out, recipe.train.micro_batch_size)
+            if dist.is_main:
+                print(said)
+    except (ConfigError, TargetError, HeadError, ShardError, ValueError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if dist.is_main:

@@ -80,6 +80,17 @@ def decode(stored: dict[str, Tensor], key: str, dtype: torch.dtype) -> Tensor:
     return x.to(dtype)
 
 
+def feature_store(recipe, target: Target, layers: tuple[int, ...]) -> "FeatureStore":
+    """A recipe's feature store: on disk under <data.cache_dir>/features with train.features
+    offline (where `draftkit prepare --features` writes them ahead of training), else online."""
+    from draftkit.target import cache_root
+
+    r = recipe
+    directory = (Path(r.data.cache_dir) if r.data.cache_dir else cache_root()) / "features"
+    return FeatureStore(target, layers, directory if r.train.features == "offline" else None,
+                        r.train.feature_storage)
+
+
 class FeatureStore:
     """Target features per sample: computed on first use, then read from `directory`.
 
@@ -105,13 +116,19 @@ class FeatureStore:
             self.computed += len(samples)
             return self.target.features(b["input_ids"].to(dev), b["attention_mask"].to(dev), self.layers,
                                         b["loss_mask"].to(dev))
+        self.ensure(samples, pad_id)
+        paths = [self.dir / f"{sample_key(s)}.safetensors" for s in samples]
+        hidden, final, top1 = self._load(paths, b["input_ids"].shape[1])
+        return TargetFeatures(b["input_ids"].to(dev), b["attention_mask"].to(dev), hidden.to(dev),
+                              final.to(dev), b["loss_mask"].to(dev), top1.long().to(dev))
+
+    def ensure(self, samples: list[dict], pad_id: int) -> int:
+        """Compute and store the features of the samples not on disk yet; returns how many."""
         paths = [self.dir / f"{sample_key(s)}.safetensors" for s in samples]
         missing = [i for i, p in enumerate(paths) if not p.is_file()]
         if missing:
             self._compute([samples[i] for i in missing], [paths[i] for i in missing], pad_id)
-        hidden, final, top1 = self._load(paths, b["input_ids"].shape[1])
-        return TargetFeatures(b["input_ids"].to(dev), b["attention_mask"].to(dev), hidden.to(dev),
-                              final.to(dev), b["loss_mask"].to(dev), top1.long().to(dev))
+        return len(missing)
 
     def _compute(self, samples: list[dict], paths: list[Path], pad_id: int) -> None:
         b = collate(samples, pad_id)

@@ -19,9 +19,9 @@ from draftkit.config import Recipe
 from draftkit.distill.prepare import Prepared
 from draftkit.heads import DraftHead, build_head
 from draftkit.heads.vocab import token_counts
-from draftkit.target import Target, cache_root, load_target
+from draftkit.target import Target, load_target
 from draftkit.train import checkpoint
-from draftkit.train.data import FeatureStore, SampleOrder
+from draftkit.train.data import SampleOrder, feature_store
 from draftkit.train.deepspeed_config import build_deepspeed_config, head_autocast, make_scheduler
 from draftkit.train.distributed import Dist, any_true, barrier, init_distributed, mean_across
 
@@ -104,9 +104,7 @@ class Trainer:
                                                           self.target.vocab_size,
                                                           masks=[s["loss_mask"] for s in self.data.train]))
         self.order = SampleOrder(len(self.data.train), r.train.seed)
-        feature_dir = (Path(r.data.cache_dir) if r.data.cache_dir else cache_root()) / "features"
-        self.features = FeatureStore(self.target, self.head.feature_layers,
-                                     feature_dir if r.train.features == "offline" else None, r.train.feature_storage)
+        self.features = feature_store(r, self.target, self.head.feature_layers)
         disk = self.features.check_disk(sum(len(s["input_ids"]) for s in self.data.train + self.data.holdout_samples))
         if self.main:
             log.info(disk)
