@@ -485,3 +485,20 @@ def test_keep_refuses_sources_without_replies_synthesis_and_grounded(model, toke
                         grounded=GroundedSettings(fraction=0.5), **kw)
     # the mode never changes the regeneration cache key: regenerated responses are shared
     assert GenerationSettings(mode="keep").fingerprint("t") == GenerationSettings().fingerprint("t")
+
+
+def test_grounded_tasks_join_several_passages_and_mark_each_as_target_text(tokenizer):
+    answers = [f"Answer {i}: the {w} is in the {v}." for i, (w, v) in
+               enumerate([("cat", "garden"), ("key", "drawer"), ("car", "street"), ("book", "shelf")])]
+    convs = [_conv([{"role": "user", "content": f"Where is it {i}?"}], a) for i, a in enumerate(answers)]
+    settings = GroundedSettings(fraction=0.5, tasks=["answer"], min_chars=10, passages=3)
+    prompts = grounded_prompts(convs, 2, settings, seed=1)
+    for p in prompts:
+        assert len(p.target_text) == 3 and len(set(p.target_text)) == 3
+        assert "\n\n".join(p.target_text) in p.messages[0]["content"]
+        assert any(f"Where is it {answers.index(t)}?" in p.messages[0]["content"] for t in p.target_text)
+    assert {t for p in prompts for t in p.target_text} == set(answers)  # 6 picks: every answer before a repeat
+    sample = tokenize_conversation(tokenizer, Conversation(prompts[0], "In the garden.", False, 0), "target_text")
+    assert _marked(tokenizer, sample) == [*prompts[0].target_text, "In the garden.<|im_end|>"]
+    with pytest.raises(ValueError, match=r"data\.grounded\.passages"):
+        GroundedSettings(passages=0)
