@@ -1,7 +1,8 @@
 """Regenerate responses with the frozen target, cached on disk by content.
 
 A draft head learns to predict what *the target* says, so every training response is the target's
-own answer to the prompt (self-distillation), never the dataset's reply.
+own answer to the prompt (self-distillation), not the dataset's reply, unless the recipe asks for
+the dataset's own (data.responses.mode: keep, `kept_replies`).
 
 Cache layout: `cache_dir/responses-<settings fingerprint>/<batch hash>.jsonl`, one file per
 generated batch, written atomically (temp file + `os.replace`), one record per prompt keyed by

@@ -1,4 +1,7 @@
-"""Token samples with a loss mask, and `prepare_samples`: the one call the trainer makes.
+"""Token samples with a loss mask; `prepare_conversations`: prompts sized to the run -> responses.
+
+The trainer's data stage (distill/prepare.py) calls both and writes the result as shards;
+`prepare_samples` is the same in memory.
 
 A sample is the whole conversation rendered by the tokenizer's chat template. Its `loss_mask` marks
 the tokens the head learns to predict, chosen by `loss_on` (the recipe's data.loss_on):
