@@ -502,3 +502,78 @@ def test_grounded_tasks_join_several_passages_and_mark_each_as_target_text(token
     assert _marked(tokenizer, sample) == [*prompts[0].target_text, "In the garden.<|im_end|>"]
     with pytest.raises(ValueError, match=r"data\.grounded\.passages"):
         GroundedSettings(passages=0)
+
+
+# ----------------------------------------------------------------------------- data.responses.scheduler: refill
+
+@pytest.fixture(scope="module")
+def varied_model(tokenizer):
+    """A tiny random Llama whose greedy responses end after 2..10 tokens depending on the prompt
+    (larger init than `model`, whose greedy rows all end alike, and a +2 end-of-turn bias)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, initializer_range=0.3, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    m = LlamaForCausalLM(cfg)
+    head = torch.nn.Linear(32, len(tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(m.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 2.0
+        for special in ("<|im_start|>", "<|endoftext|>"):
+            head.bias[tokenizer.convert_tokens_to_ids(special)] = -30.0
+    m.lm_head = head
+    return m.eval().requires_grad_(False)
+
+
+def _chat(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"question {'x' * i} number {i}?"}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "gqa"])
+def test_refill_gives_every_prompt_its_own_greedy_tokens_with_fewer_row_steps(varied_model, tokenizer, attention):
+    from draftkit.attention import register
+    from draftkit.distill.refill import generate_refill
+    from draftkit.distill.regenerate import generate_batch
+
+    varied_model.set_attn_implementation(register() if attention == "gqa" else "sdpa")  # gqa: what targets load
+
+    prompts = _chat(tokenizer, 9)
+    settings = GenerationSettings(max_new_tokens=10, batch_size=3, scheduler="refill")
+    alone = [generate_batch(varied_model, tokenizer, [p], settings)[0] for p in prompts]
+    assert len({a["num_tokens"] for a in alone}) >= 4 and any(a["truncated"] for a in alone)  # varied
+    rows = []
+    hook = varied_model.model.embed_tokens.register_forward_hook(lambda mod, inp, out: rows.append(out.shape[:2]))
+    try:
+        got = list(generate_refill(varied_model, tokenizer, prompts, settings))
+        refill_rows = sum(b for b, t in rows if t == 1)  # decode steps x rows
+        rows.clear()
+        for i in range(0, 9, 3):
+            generate_batch(varied_model, tokenizer, prompts[i: i + 3], settings)
+        static_rows = sum(b for b, t in rows if t == 1)
+    finally:
+        hook.remove()
+    assert sorted(i for i, _ in got) == list(range(9))
+    assert {i: r for i, r in got} == dict(enumerate(alone))  # exact tokens, truncation flags, lengths
+    assert refill_rows == sum(a["num_tokens"] - 1 for a in alone)  # no step spent on a finished row
+    assert refill_rows < static_rows
+    # nucleus sampling with a vanishing top_p keeps only the argmax: the sampling path gives greedy's tokens
+    nucleus = GenerationSettings(max_new_tokens=10, batch_size=4, temperature=1.0, top_p=1e-9, scheduler="refill")
+    assert dict(generate_refill(varied_model, tokenizer, prompts, nucleus)) == dict(enumerate(alone))
+    hot = GenerationSettings(max_new_tokens=6, batch_size=4, temperature=1.5, seed=3, scheduler="refill")
+    first = dict(generate_refill(varied_model, tokenizer, prompts, hot))
+    assert first == dict(generate_refill(varied_model, tokenizer, prompts, hot))  # seeded
+    assert first != dict(enumerate(alone))
+
+
+def test_regenerate_with_refill_caches_the_same_greedy_responses(varied_model, tokenizer, tmp_path):
+    prompts = _user_prompts(7)
+    batch = GenerationSettings(max_new_tokens=10, batch_size=3)
+    refill = GenerationSettings(max_new_tokens=10, batch_size=3, scheduler="refill")
+    a = regenerate(varied_model, tokenizer, prompts, batch, tmp_path / "a", target_id="t", progress=False)
+    b = regenerate(varied_model, tokenizer, prompts, refill, tmp_path / "b", target_id="t", progress=False)
+    assert a == b and len({c.num_tokens for c in a}) > 1
+    assert refill.fingerprint("t") == batch.fingerprint("t")  # one cache for both schedulers

@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -58,12 +58,16 @@ class GenerationSettings:
     # skipped, and a run where none has one (prompt-only files, synthesized prompts) is refused.
     # Keep does not combine with data.grounded (its passages must be the target's own text).
     mode: Literal["regenerate", "keep"] = "regenerate"
+    # "batch": `model.generate` per batch of batch_size (a batch runs until its longest response
+    # ends). "refill": a row whose response ended takes the next prompt at once (distill/refill.py;
+    # greedy gives the same tokens). Not part of the cache key.
+    scheduler: Literal["batch", "refill"] = "batch"
 
     def fingerprint(self, target_id: str) -> str:
-        """Everything that decides a response, except the prompt. batch_size and mode are left out."""
+        """Everything that decides a response, except the prompt. batch_size, mode and scheduler are left out."""
         d = dataclasses.asdict(self)
-        d.pop("batch_size")
-        d.pop("mode")
+        for key in ("batch_size", "mode", "scheduler"):
+            d.pop(key)
         return json.dumps({"target": target_id, **d}, sort_keys=True)
 
 
@@ -166,18 +170,35 @@ def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path,
     order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))  # similar lengths: less padding
     bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not progress)
     n_tokens, t0 = 0, time.perf_counter()
+    for n, done in enumerate(_finished(model, tokenizer, ids, order, settings), start=1):
+        records = [{"key": keys[i], "id": prompts[i].id, **o} for i, o in done]
+        _write_atomic(cache, records)
+        if os.environ.get(FAULT_KILL) == str(n):  # the kill-and-rerun tests
+            os.kill(os.getpid(), signal.SIGKILL)
+        n_tokens += sum(o["num_tokens"] for _, o in done)
+        bar.update(len(done))
+        bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+
+
+def _finished(model, tokenizer, ids: list[list[int]], order: list[int], settings) -> Iterator[list[tuple[int, dict]]]:
+    """Groups of up to batch_size (prompt index, result), as settings.scheduler finishes them."""
+    if settings.scheduler == "refill":
+        from .refill import generate_refill
+
+        group = []
+        for j, result in generate_refill(model, tokenizer, [ids[i] for i in order], settings):
+            group.append((order[j], result))
+            if len(group) == settings.batch_size:
+                yield group
+                group = []
+        if group:
+            yield group
+        return
     for b in range(0, len(order), settings.batch_size):
         batch = order[b: b + settings.batch_size]
         torch.manual_seed(settings.seed + b // settings.batch_size)
-        outs = generate_batch(model, tokenizer, [ids[i] for i in batch], settings)
-        records = [{"key": keys[i], "id": prompts[i].id, **o} for i, o in zip(batch, outs)]
-        _write_atomic(cache, records)
-        if os.environ.get(FAULT_KILL) == str(b // settings.batch_size + 1):  # the kill-and-rerun tests
-            os.kill(os.getpid(), signal.SIGKILL)
-        n_tokens += sum(o["num_tokens"] for o in outs)
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
-    bar.close()
+        yield list(zip(batch, generate_batch(model, tokenizer, [ids[i] for i in batch], settings)))
 
 
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
