@@ -577,3 +577,19 @@ def test_regenerate_with_refill_caches_the_same_greedy_responses(varied_model, t
     b = regenerate(varied_model, tokenizer, prompts, refill, tmp_path / "b", target_id="t", progress=False)
     assert a == b and len({c.num_tokens for c in a}) > 1
     assert refill.fingerprint("t") == batch.fingerprint("t")  # one cache for both schedulers
+
+
+def test_repeated_prompts_are_answered_and_trained_once(model, tokenizer, tmp_path, generated_rows):
+    from draftkit.distill.samples import prepare_conversations
+
+    src = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Tell me a story."}, {"prompt": "Tell me a story."},
+                                              {"prompt": "Held aside?"}])
+    gen = GenerationSettings(max_new_tokens=12, temperature=1.0, batch_size=8)
+    # one passage and one task: the three grounded tasks asked for are the same prompt
+    grounded = GroundedSettings(fraction=0.75, tasks=["summarize"], min_chars=1)
+    convs, holdout, stats = prepare_conversations(
+        model, tokenizer, sources=[PromptSource(str(src))], num_samples=4, num_holdout=1, generation=gen,
+        grounded=grounded, cache_dir=tmp_path / "c", target_id="tiny", seed=0, progress=False)
+    keys = [c.prompt.key() for c in convs]
+    assert len(keys) == len(set(keys)) == 2 and sum(generated_rows) == 2  # the story and one summary
+    assert holdout[0].key() not in keys and stats["grounded"] == 3
