@@ -182,3 +182,26 @@ def test_stage_two_fills_the_trainers_feature_cache(target, tiny_model_dir, prom
     online = load_recipe(None, small(tiny_model_dir, prompt_file, tmp_path, "train.features=online"))
     with pytest.raises(ValueError, match="train.features: online"):
         prepare_features(online, target, ONE, out)
+
+
+@pytest.mark.integration
+def test_sigkill_of_one_rank_in_training_resumes_to_the_uninterrupted_weights(tiny_model_dir, prompt_file, tmp_path):
+    from tests.test_train import head_weights
+
+    def train(out: str, port: int, **env):
+        args = recipe_args(tiny_model_dir, prompt_file, tmp_path / out, tmp_path / "cache", "train.max_steps=6",
+                           "train.save_every=2", "train.epochs=2", "deepspeed={zero_optimization: {stage: 1}}")
+        return launch([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port),
+                       "draftkit/train/run.py", "recipes/quick.yaml", *args], timeout=600, env_extra=env)
+
+    full = train("full", 29551)
+    assert full.returncode == 0, (full.stdout + full.stderr)[-3000:]
+    killed = train("res", 29552, DRAFTKIT_FAULT_KILL_AFTER_STEP="3", DRAFTKIT_FAULT_KILL_RANK="1")
+    assert killed.returncode != 0 and "SIGKILL" in killed.stdout + killed.stderr
+    assert (tmp_path / "res" / "checkpoints" / "LATEST").read_text() == "step2"
+    resumed = train("res", 29553)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
+    a, b = head_weights(tmp_path / "full"), head_weights(tmp_path / "res")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)

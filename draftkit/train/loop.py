@@ -27,6 +27,7 @@ from draftkit.train.distributed import Dist, any_true, barrier, init_distributed
 
 log = logging.getLogger("draftkit.train")
 FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_STEP"  # SIGKILL this process after that step (tests only)
+FAULT_RANK = "DRAFTKIT_FAULT_KILL_RANK"  # ... only on this rank (default: every rank)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -224,7 +225,8 @@ class Trainer:
             if (r.save_every and done % r.save_every == 0) or done == r.max_steps:
                 checkpoint.save(self.engine, self.out / "checkpoints", done,
                                 {"step": done, "recipe_hash": self.recipe_hash}, self.dist.rank, r.keep_checkpoints)
-            if os.environ.get(FAULT_KILL) == str(done):  # fault injection for the kill-and-resume test
+            if os.environ.get(FAULT_KILL) == str(done) and os.environ.get(FAULT_RANK, str(self.dist.rank)) == str(
+                    self.dist.rank):  # fault injection for the kill-and-resume tests
                 os.kill(os.getpid(), signal.SIGKILL)
         bar.close()
         head_dir = self.export()
