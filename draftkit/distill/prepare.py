@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a file by a launcher: make the repo impo
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from draftkit.distill.shards import (  # noqa: E402
-    ShardError, problems, read_manifest, read_split, shard_name, write_manifest, write_shard)
+    MANIFEST, ShardError, problems, read_manifest, read_split, shard_name, write_manifest, write_shard)
 
 log = logging.getLogger("draftkit.prepare")
 
@@ -103,14 +103,16 @@ def prepare(recipe, target, dist, num_samples: int) -> Path:
         return out
     if dist.is_main:
         log.info("preparing data in %s: %s", out, "; ".join(issues[:5]))
-    out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST).unlink(missing_ok=True)  # until the new one is written, the directory is unfinished
+    barrier()
     _write(recipe, target, dist, num_samples, fp, out)
     return out
 
 
 def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
     from draftkit.distill.regenerate import responses
-    from draftkit.distill.samples import build_samples, prepare_conversations
+    from draftkit.distill.samples import prepare_conversations
     from draftkit.target import cache_root
     from draftkit.train.distributed import barrier
 
@@ -131,8 +133,7 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
         mine = [k for k in range(len(chunks)) if k % dist.world_size == dist.rank]
         entries[split] = []
         for k in mine:  # rank r tokenises and writes only its own shards
-            rows, shard_stats = _rows(target.tokenizer, chunks[k], d, loss_on, build_samples,
-                                      keep_dropped=split == "holdout")
+            rows, shard_stats = _rows(target.tokenizer, chunks[k], d, loss_on, keep_dropped=split == "holdout")
             entry = write_shard(out / shard_name(split, k, len(chunks)), rows)
             entries[split].append({**entry, "index": k, "stats": shard_stats})
     entries = _gather(entries, dist)
@@ -150,14 +151,16 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
                  stats.get("kept", 0), stats.get("tokens", 0), stats.get("loss_tokens", 0),
                  sum(e["rows"] for e in splits["holdout"]), seconds, out)
     barrier()
-    if not (out / "manifest.json").is_file():
+    if not (out / MANIFEST).is_file():
         raise ShardError(f"{out}: rank 0 wrote no manifest")
 
 
-def _rows(tokenizer, convs, d, loss_on: str, build_samples, keep_dropped: bool) -> tuple[list[dict], dict]:
+def _rows(tokenizer, convs, d, loss_on: str, keep_dropped: bool) -> tuple[list[dict], dict]:
     """The shard rows of some conversations: each kept sample with the conversation it came from
     (keep_dropped: a dropped sample's conversation too, with no tokens: held-aside prompts are all
     evaluated)."""
+    from draftkit.distill.samples import build_samples
+
     rows, stats = [], None
     for c in convs:  # one at a time, to keep each sample beside its conversation
         samples, s = build_samples(tokenizer, [c], d.max_length, d.overlong, loss_on)
