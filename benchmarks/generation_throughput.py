@@ -3,6 +3,7 @@
     python benchmarks/generation_throughput.py                      # embedded SmolLM2 GGUF, fp32
     python benchmarks/generation_throughput.py --dtypes fp32 bf16 --model /path/to/hf_dir
     python benchmarks/generation_throughput.py --dtypes bf16 --batch-sizes 16 64 --num-prompts 128
+    python benchmarks/generation_throughput.py --dtypes bf16 --attention gqa --schedulers batch refill
 
 Each batch size runs with transformers' "sdpa" attention and with draftkit's GQA attention
 (draftkit/attention.py, what draftkit.target loads on CPU), one after the other on the same model
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from draftkit.attention import register as register_gqa_attention
 from draftkit.distill import GenerationSettings, PromptSource, load_prompts, synthesize_prompts
+from draftkit.distill.refill import generate_refill
 from draftkit.distill.regenerate import chat_ids, generate_batch
 from draftkit.target import load_target
 
@@ -41,17 +43,21 @@ def load_bench_prompts(model, tok, n: int):
     return synthesize_prompts(model, tok, n, batch_size=min(n, 32), max_new_tokens=96), "magpie"
 
 
-def run(model, tok, prompts, batch_size: int, max_new_tokens: int) -> dict:
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size)
+def run(model, tok, prompts, batch_size: int, max_new_tokens: int, scheduler: str = "batch") -> dict:
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, scheduler=scheduler)
     ids = sorted((chat_ids(tok, p.messages, True) for p in prompts), key=len)
     generate_batch(model, tok, ids[:batch_size], GenerationSettings(max_new_tokens=4))  # warm-up
     tokens, truncated, t0 = 0, 0, time.perf_counter()
-    for b in range(0, len(ids), batch_size):
-        for o in generate_batch(model, tok, ids[b: b + batch_size], settings):
-            tokens += o["num_tokens"]
-            truncated += o["truncated"]
+    if scheduler == "refill":  # finished rows take the next prompt at once (distill/refill.py)
+        outs = [o for _, o in generate_refill(model, tok, ids, settings)]
+    else:
+        outs = [o for b in range(0, len(ids), batch_size)
+                for o in generate_batch(model, tok, ids[b: b + batch_size], settings)]
+    for o in outs:
+        tokens += o["num_tokens"]
+        truncated += o["truncated"]
     dt = time.perf_counter() - t0
-    return {"batch_size": batch_size, "prompts": len(ids), "response_tokens": tokens,
+    return {"scheduler": scheduler, "batch_size": batch_size, "prompts": len(ids), "response_tokens": tokens,
             "truncated": truncated, "seconds": round(dt, 2), "tok_per_s": round(tokens / dt, 1)}
 
 
@@ -75,6 +81,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION),
                     help="sdpa: transformers' own; gqa: draftkit's CPU attention without KV-cache copies")
+    ap.add_argument("--schedulers", nargs="+", default=["batch"], choices=["batch", "refill"],
+                    help="batch: model.generate per batch; refill: finished rows take the next prompt")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 is "
                     "far faster when other processes share the cores, as spinning threads starve")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "generation_throughput.json"))
@@ -91,20 +99,21 @@ def main() -> None:
         prompts, origin = load_bench_prompts(model, tok, args.num_prompts)
         for bs in args.batch_sizes:
             n = min(len(prompts), max(bs, args.min_prompts))
-            for attention in args.attention:
+            for attention, scheduler in ((a, s) for a in args.attention for s in args.schedulers):
                 model.set_attn_implementation(ATTENTION[attention]())
-                r = {"dtype": name, "attention": attention, **run(model, tok, prompts[:n], bs, args.max_new_tokens)}
+                r = {"dtype": name, "attention": attention,
+                     **run(model, tok, prompts[:n], bs, args.max_new_tokens, scheduler)}
                 results.append(r)
                 write_json(args, results, origin)
-                print(f"  {name:5s} {attention:5s} bs={bs:3d} prompts={r['prompts']:3d} tokens={r['response_tokens']:5d} "
+                print(f"  {name:5s} {attention:5s} {scheduler:6s} bs={bs:3d} prompts={r['prompts']:3d} tokens={r['response_tokens']:5d} "
                       f"truncated={r['truncated']:3d} {r['seconds']:7.1f}s {r['tok_per_s']:7.1f} tok/s", flush=True)
-    print("\n| dtype | attention | batch | prompts | tokens | truncated | s | tok/s | vs sdpa |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print("\n| dtype | attention | scheduler | batch | prompts | tokens | truncated | s | tok/s | vs sdpa batch |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        ref = next((x for x in results if x["attention"] == "sdpa" and x["dtype"] == r["dtype"]
-                    and x["batch_size"] == r["batch_size"]), None)
+        ref = next((x for x in results if x["attention"] == "sdpa" and x["scheduler"] == "batch"
+                    and x["dtype"] == r["dtype"] and x["batch_size"] == r["batch_size"]), None)
         ratio = f"{r['tok_per_s'] / ref['tok_per_s']:.2f}x" if ref else "–"
-        print(f"| {r['dtype']} | {r['attention']} | {r['batch_size']} | {r['prompts']} | {r['response_tokens']} | "
+        print(f"| {r['dtype']} | {r['attention']} | {r['scheduler']} | {r['batch_size']} | {r['prompts']} | {r['response_tokens']} | "
               f"{r['truncated']} | {r['seconds']} | {r['tok_per_s']} | {ratio} |")
     print(f"wrote {args.out}")
 

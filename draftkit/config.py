@@ -59,12 +59,23 @@ class DataConfig:
     max_length: int = 512
     # What to do with longer samples: cut them at max_length, or drop them.
     overlong: Literal["truncate", "drop"] = "truncate"
+    # Which tokens the head learns to predict (the target's distribution is the label on each):
+    # "response" the target's responses; "target_text" those plus prompt passages that are the
+    # target's own text (grounded tasks' passages); "all" every token up to the response's end.
+    # Held-out agreement is always measured on responses. See distill/samples.py.
+    loss_on: Literal["response", "target_text", "all"] = "response"
     # Distinct prompts to prepare; None = as many as the run consumes (max_steps x global batch / epochs).
     num_prompts: int | None = None
     # Prompts held aside (never trained on) for held-out agreement and in-training evaluation.
     holdout: int = 8
     # Where regenerated responses and features are cached (content-keyed); default ~/.cache/draftkit/data.
     cache_dir: str | None = None
+    # Where `draftkit prepare` (and the trainer, which runs the same stage) writes the prepared
+    # shards and manifest; None = <cache_dir>/prepared/<fingerprint of the data settings>. A directory
+    # prepared for other settings is refused. See distill/prepare.py.
+    prepared_dir: str | None = None
+    # Conversations per prepared shard (the unit ranks split the tokenising and writing by).
+    shard_size: int = 2000
 
 
 @dataclass
@@ -91,6 +102,10 @@ class TrainConfig:
     # Target features: "offline" computes them once per sample and reuses them across epochs
     # (cached on disk); "online" recomputes them every step (no disk, more compute).
     features: Literal["offline", "online"] = "offline"
+    # How offline features are stored: "target" as computed (the target's dtype), "bfloat16", or
+    # "float8" (e4m3 with an fp32 scale per token and layer: half of bf16's bytes, read back in the
+    # target's dtype). The trainer prints bytes/token x tokens and refuses when the disk lacks room.
+    feature_storage: Literal["target", "bfloat16", "float8"] = "target"
     # Precision of the head's forward and backward matmuls (torch.autocast); weights, gradients and
     # AdamW stay fp32. "auto" = bfloat16 where the device multiplies bf16 natively (a CUDA GPU with
     # bf16, a CPU with AMX or AVX512-BF16: several times faster than fp32 there), else float32.

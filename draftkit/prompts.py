@@ -20,7 +20,8 @@ mode a prompt's text is fed as is (`completion_text`), with no chat template.
 Multi-turn conversations keep their earlier turns, the dataset's own assistant replies included, as
 context: only the reply to the last user turn is answered by the target (the earlier replies are
 masked out of the training loss in distill/samples.py). MT-bench style `turns` hold user turns
-only, with no replies to put between them, so only the first is used.
+only, with no replies to put between them, so only the first is used. The reply to the last user
+turn, when a ShareGPT / OpenAI record has one (`to_reply`), is what data.responses.mode: keep trains on.
 """
 from __future__ import annotations
 
@@ -138,6 +139,23 @@ def completion_text(messages: list[dict]) -> str:
     """The raw text a completion-mode prompt feeds the target: the turns' contents, blank-line joined
     (one turn for every raw-text source; `draftkit eval`'s encode joins them the same way)."""
     return "\n\n".join(m["content"] for m in messages)
+
+
+def to_reply(shape: str, r: dict) -> str | None:
+    """The record's own reply to its last user turn (the assistant turn right after it), or None.
+
+    Only ShareGPT and OpenAI-messages records carry replies; the other shapes give None.
+    """
+    if shape not in ("conversations", "messages"):
+        return None
+    turns = r[shape] or []
+    role_key, text_key = ("from", "value") if shape == "conversations" else ("role", "content")
+    roles = [ROLES.get(str(t.get(role_key)).lower()) for t in turns]
+    last_user = max((i for i, role in enumerate(roles) if role == "user"), default=None)
+    if last_user is None or last_user + 1 >= len(turns) or roles[last_user + 1] != "assistant":
+        return None
+    text = turns[last_user + 1].get(text_key)
+    return text if isinstance(text, str) and text.strip() else None
 
 
 def record_id(r: dict, index: int):

@@ -381,3 +381,215 @@ def test_interrupted_synthesis_continues_from_finished_batches(model, tokenizer,
         p.unlink()
     assert synthesize_cached(model, tokenizer, 6, settings, tmp_path, target_id="t", seed=1, progress=False) == more
     assert len(generated_rows) == done
+
+
+# ----------------------------------------------------------------------------- data.loss_on
+
+def _marked(tokenizer, sample) -> list[str]:
+    """The supervised spans of a sample, each decoded (contiguous runs of loss_mask == 1)."""
+    runs, cur = [], []
+    for t, m in zip(sample["input_ids"], sample["loss_mask"]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tokenizer.decode(cur))
+            cur = []
+    return runs + ([tokenizer.decode(cur)] if cur else [])
+
+
+def test_loss_on_marks_exactly_response_target_text_or_all(tokenizer):
+    passage = "Cats eat meat, mostly fish and mice."
+    task = f"Summarize the following text in two or three sentences.\n\n{passage}"
+    prompt = Prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": task}],
+                    "grounded-summarize", "g", target_text=(passage,))
+    conv = Conversation(prompt, "Cats are carnivores.", False, 0)
+    resp = tokenize_conversation(tokenizer, conv, "response")
+    own = tokenize_conversation(tokenizer, conv, "target_text")
+    every = tokenize_conversation(tokenizer, conv, "all")
+    assert resp["input_ids"] == own["input_ids"] == every["input_ids"]
+    assert _marked(tokenizer, resp) == ["Cats are carnivores.<|im_end|>"]
+    assert _marked(tokenizer, own) == [passage, "Cats are carnivores.<|im_end|>"]
+    tail = every["input_ids"].index(tokenizer.eos_token_id, len(every["input_ids"]) - 3)  # the response's eot
+    assert every["loss_mask"] == [1] * (tail + 1) + [0] * (len(every["input_ids"]) - tail - 1)
+    assert tokenizer.decode(every["input_ids"][tail + 1:]) == "\n"  # the template tail: never in the loss
+    # a prompt without target text: target_text is response only; earlier dataset replies are not target text
+    context = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "A dataset reply."},
+               {"role": "user", "content": "And now?"}]
+    plain = Conversation(Prompt(context, None, "p"), "Now this.", False, 0)
+    assert _marked(tokenizer, tokenize_conversation(tokenizer, plain, "target_text")) == ["Now this.<|im_end|>"]
+    assert "A dataset reply." in _marked(tokenizer, tokenize_conversation(tokenizer, plain, "all"))[0]
+    # a truncated response: its artificial end-of-turn token stays out under every choice
+    cut = Conversation(prompt, "Cats are", True, 0)
+    for loss_on in ("response", "target_text", "all"):
+        assert _marked(tokenizer, tokenize_conversation(tokenizer, cut, loss_on))[-1].endswith("Cats are")
+
+
+def test_build_samples_counts_loss_tokens_and_rejects_unknown_loss_on(tokenizer):
+    passage = "The river floods every spring and the farmers plant after it."
+    prompt = Prompt([{"role": "user", "content": f"Rewrite this.\n\n{passage}"}], None, "g", target_text=(passage,))
+    conv = Conversation(prompt, "The river floods yearly.", False, 0)
+    n_passage = len(tokenizer(passage, add_special_tokens=False)["input_ids"])
+    by = {lo: build_samples(tokenizer, [conv], 256, loss_on=lo)[1] for lo in ("response", "target_text", "all")}
+    assert by["response"]["loss_tokens"] == by["response"]["assistant_tokens"] == by["all"]["assistant_tokens"]
+    assert by["target_text"]["loss_tokens"] == by["response"]["loss_tokens"] + n_passage
+    assert by["all"]["loss_tokens"] == by["all"]["tokens"] - 1  # all but the template's trailing newline
+    # cut inside the prompt: no response token left, dropped whatever loss_on says
+    samples, stats = build_samples(tokenizer, [conv], 8, loss_on="all")
+    assert samples == [] and stats["dropped_no_assistant"] == 1
+    with pytest.raises(ValueError, match=r"data.loss_on: 'prompt' is not one of"):
+        build_samples(tokenizer, [conv], 64, loss_on="prompt")
+
+
+def test_grounded_prompts_name_their_passage_as_target_text():
+    convs = [_conv([{"role": "user", "content": "What do cats eat?"}], "  Cats eat meat, mostly fish. " * 8)]
+    (p,) = grounded_prompts(convs, 1, GroundedSettings(fraction=0.5, min_chars=10), seed=0)
+    assert p.target_text == (convs[0].response.strip(),) and p.target_text[0] in p.messages[0]["content"]
+
+
+# ----------------------------------------------------------------------------- data.responses.mode: keep
+
+def test_keep_trains_on_the_sources_own_replies_without_generating(model, tokenizer, tmp_path, generated_rows):
+    sharegpt = tmp_path / "chat.json"
+    sharegpt.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "Name a red fruit."},
+                                      {"from": "gpt", "value": "A strawberry."}]},
+        {"id": "b", "conversations": [{"from": "system", "value": "Be terse."},
+                                      {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."},
+                                      {"from": "human", "value": "Sky colour?"}, {"from": "gpt", "value": "Blue."}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "Unanswered question?"}]}]))
+    openai = _write_jsonl(tmp_path / "msgs.jsonl", [
+        {"id": "d", "messages": [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."}]},
+        {"id": "e", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": ""}]}])
+    sources = [PromptSource(str(sharegpt)), PromptSource(str(openai))]
+    keep = GenerationSettings(max_new_tokens=8, batch_size=4, mode="keep")
+    samples, holdout, stats = prepare_samples(
+        model, tokenizer, sources=sources, num_samples=5, num_holdout=0, max_length=256,
+        generation=keep, cache_dir=tmp_path / "cache", target_id="tiny", progress=False)
+    assert generated_rows == [] and not (tmp_path / "cache").exists()  # no generation, nothing cached
+    got = sorted(_masked_text(tokenizer, s) for s in samples)
+    assert got == ["A strawberry.<|im_end|>", "Blue.<|im_end|>", "Four.<|im_end|>"]  # c, e: no reply, skipped
+    multi = next(s for s in samples if "Blue." in _masked_text(tokenizer, s))
+    assert "Hello." in tokenizer.decode(multi["input_ids"])  # the earlier reply stays as context, unmasked
+    assert stats["response_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+
+
+def test_keep_refuses_sources_without_replies_synthesis_and_grounded(model, tokenizer, tmp_path):
+    kw = dict(num_samples=2, num_holdout=0, max_length=64, cache_dir=tmp_path, target_id="tiny", progress=False,
+              generation=GenerationSettings(mode="keep"))
+    with pytest.raises(ValueError, match=r"keep needs sources whose records carry a reply.*prompt:"):
+        prepare_samples(model, tokenizer, sources=[PromptSource(str(DATA / "prompt.jsonl"))], **kw)
+    with pytest.raises(ValueError, match=r"data.sources is empty"):
+        prepare_samples(model, tokenizer, sources=None, **kw)
+    with pytest.raises(ValueError, match=r"data.grounded.fraction"):
+        prepare_samples(model, tokenizer, sources=[PromptSource(str(DATA / "sharegpt.json"))],
+                        grounded=GroundedSettings(fraction=0.5), **kw)
+    # the mode never changes the regeneration cache key: regenerated responses are shared
+    assert GenerationSettings(mode="keep").fingerprint("t") == GenerationSettings().fingerprint("t")
+
+
+def test_grounded_tasks_join_several_passages_and_mark_each_as_target_text(tokenizer):
+    answers = [f"Answer {i}: the {w} is in the {v}." for i, (w, v) in
+               enumerate([("cat", "garden"), ("key", "drawer"), ("car", "street"), ("book", "shelf")])]
+    convs = [_conv([{"role": "user", "content": f"Where is it {i}?"}], a) for i, a in enumerate(answers)]
+    settings = GroundedSettings(fraction=0.5, tasks=["answer"], min_chars=10, passages=3)
+    prompts = grounded_prompts(convs, 2, settings, seed=1)
+    for p in prompts:
+        assert len(p.target_text) == 3 and len(set(p.target_text)) == 3
+        assert "\n\n".join(p.target_text) in p.messages[0]["content"]
+        assert any(f"Where is it {answers.index(t)}?" in p.messages[0]["content"] for t in p.target_text)
+    assert {t for p in prompts for t in p.target_text} == set(answers)  # 6 picks: every answer before a repeat
+    sample = tokenize_conversation(tokenizer, Conversation(prompts[0], "In the garden.", False, 0), "target_text")
+    assert _marked(tokenizer, sample) == [*prompts[0].target_text, "In the garden.<|im_end|>"]
+    with pytest.raises(ValueError, match=r"data\.grounded\.passages"):
+        GroundedSettings(passages=0)
+
+
+# ----------------------------------------------------------------------------- data.responses.scheduler: refill
+
+@pytest.fixture(scope="module")
+def varied_model(tokenizer):
+    """A tiny random Llama whose greedy responses end after 2..10 tokens depending on the prompt
+    (larger init than `model`, whose greedy rows all end alike, and a +2 end-of-turn bias)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, initializer_range=0.3, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    m = LlamaForCausalLM(cfg)
+    head = torch.nn.Linear(32, len(tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(m.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 2.0
+        for special in ("<|im_start|>", "<|endoftext|>"):
+            head.bias[tokenizer.convert_tokens_to_ids(special)] = -30.0
+    m.lm_head = head
+    return m.eval().requires_grad_(False)
+
+
+def _chat(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"question {'x' * i} number {i}?"}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "gqa"])
+def test_refill_gives_every_prompt_its_own_greedy_tokens_with_fewer_row_steps(varied_model, tokenizer, attention):
+    from draftkit.attention import register
+    from draftkit.distill.refill import generate_refill
+    from draftkit.distill.regenerate import generate_batch
+
+    varied_model.set_attn_implementation(register() if attention == "gqa" else "sdpa")  # gqa: what targets load
+
+    prompts = _chat(tokenizer, 9)
+    settings = GenerationSettings(max_new_tokens=10, batch_size=3, scheduler="refill")
+    alone = [generate_batch(varied_model, tokenizer, [p], settings)[0] for p in prompts]
+    assert len({a["num_tokens"] for a in alone}) >= 4 and any(a["truncated"] for a in alone)  # varied
+    rows = []
+    hook = varied_model.model.embed_tokens.register_forward_hook(lambda mod, inp, out: rows.append(out.shape[:2]))
+    try:
+        got = list(generate_refill(varied_model, tokenizer, prompts, settings))
+        refill_rows = sum(b for b, t in rows if t == 1)  # decode steps x rows
+        rows.clear()
+        for i in range(0, 9, 3):
+            generate_batch(varied_model, tokenizer, prompts[i: i + 3], settings)
+        static_rows = sum(b for b, t in rows if t == 1)
+    finally:
+        hook.remove()
+    assert sorted(i for i, _ in got) == list(range(9))
+    assert {i: r for i, r in got} == dict(enumerate(alone))  # exact tokens, truncation flags, lengths
+    assert refill_rows == sum(a["num_tokens"] - 1 for a in alone)  # no step spent on a finished row
+    assert refill_rows < static_rows
+    # nucleus sampling with a vanishing top_p keeps only the argmax: the sampling path gives greedy's tokens
+    nucleus = GenerationSettings(max_new_tokens=10, batch_size=4, temperature=1.0, top_p=1e-9, scheduler="refill")
+    assert dict(generate_refill(varied_model, tokenizer, prompts, nucleus)) == dict(enumerate(alone))
+    hot = GenerationSettings(max_new_tokens=6, batch_size=4, temperature=1.5, seed=3, scheduler="refill")
+    first = dict(generate_refill(varied_model, tokenizer, prompts, hot))
+    assert first == dict(generate_refill(varied_model, tokenizer, prompts, hot))  # seeded
+    assert first != dict(enumerate(alone))
+
+
+def test_regenerate_with_refill_caches_the_same_greedy_responses(varied_model, tokenizer, tmp_path):
+    prompts = _user_prompts(7)
+    batch = GenerationSettings(max_new_tokens=10, batch_size=3)
+    refill = GenerationSettings(max_new_tokens=10, batch_size=3, scheduler="refill")
+    a = regenerate(varied_model, tokenizer, prompts, batch, tmp_path / "a", target_id="t", progress=False)
+    b = regenerate(varied_model, tokenizer, prompts, refill, tmp_path / "b", target_id="t", progress=False)
+    assert a == b and len({c.num_tokens for c in a}) > 1
+    assert refill.fingerprint("t") == batch.fingerprint("t")  # one cache for both schedulers
+
+
+def test_repeated_prompts_are_answered_and_trained_once(model, tokenizer, tmp_path, generated_rows):
+    from draftkit.distill.samples import prepare_conversations
+
+    src = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Tell me a story."}, {"prompt": "Tell me a story."},
+                                              {"prompt": "Held aside?"}])
+    gen = GenerationSettings(max_new_tokens=12, temperature=1.0, batch_size=8)
+    # one passage and one task: the three grounded tasks asked for are the same prompt
+    grounded = GroundedSettings(fraction=0.75, tasks=["summarize"], min_chars=1)
+    convs, holdout, stats = prepare_conversations(
+        model, tokenizer, sources=[PromptSource(str(src))], num_samples=4, num_holdout=1, generation=gen,
+        grounded=grounded, cache_dir=tmp_path / "c", target_id="tiny", seed=0, progress=False)
+    keys = [c.prompt.key() for c in convs]
+    assert len(keys) == len(set(keys)) == 2 and sum(generated_rows) == 2  # the story and one summary
+    assert holdout[0].key() not in keys and stats["grounded"] == 3

@@ -203,3 +203,27 @@ def test_eagle3_padded_rows_unroll_as_alone_in_chunks(tiny_target, monkeypatch):
     head.loss(feats)["loss"].backward()
     for n, p in head.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_token_counts_equal_the_python_loop_they_replace():
+    """token_counts is one bincount; it must count exactly what the old per-token loop counted."""
+    from collections import Counter
+
+    from draftkit.heads.vocab import token_counts
+
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 50, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (30,), generator=g)]
+    masks = [torch.randint(0, 2, (len(s),), generator=g).tolist() for s in samples]
+    old = Counter(t for s, m in zip(samples, masks) for t, k in zip(s, m) if k)  # the trainer's former loop
+    want = torch.tensor([old[v] for v in range(50)])
+    assert torch.equal(token_counts(samples, 50, masks=masks), want)
+    assert torch.equal(token_counts([t for s, m in zip(samples, masks) for t, k in zip(s, m) if k], 50), want)
+    assert torch.equal(token_counts([torch.tensor(s) for s in samples], 50, masks=[torch.tensor(m) for m in masks]), want)
+    every = Counter(t for s in samples for t in s)
+    assert torch.equal(token_counts(samples, 50), torch.tensor([every[v] for v in range(50)]))
+    assert torch.equal(token_counts([[1, 1], torch.tensor([3])], 4), torch.tensor([0, 2, 0, 1]))
+    assert torch.equal(token_counts([], 3), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(HeadError, match="3 token ids but 2 mask values"):
+        token_counts([[1, 2, 3]], 4, masks=[[1, 0]])
+    with pytest.raises(HeadError, match=r"must lie in 0..3, got 1..7"):
+        token_counts([[1, 7]], 4)

@@ -4,7 +4,8 @@
     convs = regenerate(model, tokenizer, prompts, GenerationSettings(), cache_dir, target_id=...)
     samples, stats = build_samples(tokenizer, convs, max_length=2048)
 
-or all of it, sized to the run, with `prepare_samples`.
+or all of it, sized to the run, with `prepare_samples`; as a resumable stage on disk (parquet
+shards + manifest, what the trainer reads) with `draftkit prepare` (distill/prepare.py).
 """
 
 from .grounded import GroundedSettings, grounded_prompts

@@ -41,10 +41,15 @@ class GroundedSettings:
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     # Responses shorter than this (characters) are not used as passages.
     min_chars: int = 200
+    # Responses joined (blank line between) into the text of one task: several make the long,
+    # multi-document contexts of RAG and summarization (raise data.max_length to fit them).
+    passages: int = 1
 
     def __post_init__(self):
         if not 0.0 <= self.fraction < 1.0:
             raise ConfigError(f"data.grounded.fraction: expected 0 <= fraction < 1, got {self.fraction}")
+        if self.passages < 1:
+            raise ConfigError(f"data.grounded.passages: expected >= 1 responses per task, got {self.passages}")
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown or not self.tasks:
             raise ConfigError(f"data.grounded.tasks: unknown {unknown or 'empty list'}; "
@@ -53,8 +58,9 @@ class GroundedSettings:
 
 def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettings,
                      seed: int = 0) -> list[Prompt]:
-    """n prompts, each a task over one response of `convs` (each response used at most once
-    while there are unused ones), deterministic in (convs, n, settings, seed)."""
+    """n prompts, each a task over settings.passages responses of `convs` joined (each response
+    used at most once while there are unused ones), deterministic in (convs, n, settings, seed).
+    Each prompt names its passages as `target_text` (they are the target's own answers)."""
     passages = [c for c in convs if len(c.response.strip()) >= settings.min_chars]
     if n <= 0:
         return []
@@ -65,13 +71,16 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
     order = list(range(len(passages)))
     rng.shuffle(order)
     out = []
+    k = settings.passages
     for j in range(n):
-        conv = passages[order[j % len(order)]]
+        picks = [passages[order[(j * k + t) % len(order)]] for t in range(k)]
         task = settings.tasks[rng.randrange(len(settings.tasks))]
-        question = conv.prompt.messages[-1]["content"]  # a Prompt ends with the user turn it asks
-        text = TASKS[task].format(passage=conv.response.strip(), question=question.strip(),
+        asked = picks[rng.randrange(k)] if k > 1 else picks[0]  # the question one passage answered
+        question = asked.prompt.messages[-1]["content"]  # a Prompt ends with the user turn it asks
+        texts = tuple(c.response.strip() for c in picks)
+        text = TASKS[task].format(passage="\n\n".join(texts), question=question.strip(),
                                   language=LANGUAGES[rng.randrange(len(LANGUAGES))])
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         out.append(Prompt([{"role": "user", "content": text}], f"grounded-{task}",
-                          f"grounded:{task}:{digest}"))
+                          f"grounded:{task}:{digest}", target_text=texts))
     return out

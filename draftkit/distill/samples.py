@@ -1,8 +1,20 @@
-"""Token samples with a loss mask, and `prepare_samples`: the one call the trainer makes.
+"""Token samples with a loss mask; `prepare_conversations`: prompts sized to the run -> responses.
 
-A sample is the whole conversation rendered by the tokenizer's chat template. `loss_mask` is 1
-exactly on the tokens the target generated: the assistant response plus the end-of-turn token
-that closes it, never the template's role header, the prompt or earlier (dataset) replies.
+The trainer's data stage (distill/prepare.py) calls both and writes the result as shards;
+`prepare_samples` is the same in memory.
+
+A sample is the whole conversation rendered by the tokenizer's chat template. Its `loss_mask` marks
+the tokens the head learns to predict, chosen by `loss_on` (the recipe's data.loss_on):
+
+- "response": exactly the tokens the target generated: the assistant response plus the
+  end-of-turn token that closes it, never the template's role header, the prompt or earlier
+  (dataset) replies.
+- "target_text": the response plus the prompt's passages that are the target's own text
+  (`Prompt.target_text`: a grounded task's passage is the target's answer to another prompt).
+- "all": every token up to the end of the response (the template, the prompt, earlier replies):
+  teacher forcing on text the target did not write, the target's own distribution as the label.
+
+Whatever the template adds after the closing end-of-turn token is never in the loss.
 """
 
 from __future__ import annotations
@@ -13,58 +25,87 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .grounded import GroundedSettings, grounded_prompts
-from .regenerate import Conversation, GenerationSettings, chat_ids, end_of_turn_ids, regenerate
+from .regenerate import Conversation, GenerationSettings, chat_ids, end_of_turn_ids, regenerate, responses
 from .sources import Prompt, PromptSource, load_prompts
 from .synthesize import SynthesisSettings, synthesize_cached
 from .text import tokenize_completion
 
 log = logging.getLogger(__name__)
 
+# What each token of a sample is (token_kinds), and which kinds each data.loss_on trains on.
+PROMPT, RESPONSE, TARGET_TEXT, AFTER = 0, 1, 2, 3
+LOSS_ON = {"response": (RESPONSE,), "target_text": (RESPONSE, TARGET_TEXT),
+           "all": (PROMPT, RESPONSE, TARGET_TEXT)}
+
 
 def build_samples(
     tokenizer, conversations: list[Conversation], max_length: int, overlong: str = "truncate",
+    loss_on: str = "response",
     fmt: str = "chat",
 ) -> tuple[list[dict], dict]:
     """Tokenize conversations into {input_ids, loss_mask}; `overlong` is "truncate" or "drop";
     fmt "text": raw-text prompt + continuation (distill/text.py), else the chat template.
 
-    Truncation cuts from the right. A sample left without any assistant token is dropped.
+    Truncation cuts from the right. A sample left without any response token is dropped.
     Returns (samples, stats) with stats: kept, truncated, dropped_overlong, dropped_no_assistant,
-    dropped_template, tokens, assistant_tokens.
+    dropped_template, tokens, assistant_tokens (response tokens), loss_tokens (per loss_on).
     """
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"data.loss_on: {loss_on!r} is not one of {sorted(LOSS_ON)}")
     stats = dict(kept=0, truncated=0, dropped_overlong=0, dropped_no_assistant=0,
-                 dropped_template=0, tokens=0, assistant_tokens=0)
+                 dropped_template=0, tokens=0, assistant_tokens=0, loss_tokens=0)
     samples = []
     for conv in conversations:
-        sample = tokenize_completion(tokenizer, conv) if fmt == "text" else tokenize_conversation(tokenizer, conv)
-        if sample is None:
+        kinds = completion_kinds(tokenizer, conv) if fmt == "text" else token_kinds(tokenizer, conv)
+        if kinds is None:
             stats["dropped_template"] += 1
             continue
-        if len(sample["input_ids"]) > max_length:
+        ids, kinds = kinds
+        if len(ids) > max_length:
             if overlong == "drop":
                 stats["dropped_overlong"] += 1
                 continue
-            sample = {k: v[:max_length] for k, v in sample.items()}
+            ids, kinds = ids[:max_length], kinds[:max_length]
             stats["truncated"] += 1
-        if not any(sample["loss_mask"]):
+        if RESPONSE not in kinds:
             stats["dropped_no_assistant"] += 1
             continue
+        sample = {"input_ids": ids, "loss_mask": [int(k in LOSS_ON[loss_on]) for k in kinds]}
         samples.append(sample)
         stats["kept"] += 1
-        stats["tokens"] += len(sample["input_ids"])
-        stats["assistant_tokens"] += sum(sample["loss_mask"])
+        stats["tokens"] += len(ids)
+        stats["assistant_tokens"] += kinds.count(RESPONSE)
+        stats["loss_tokens"] += sum(sample["loss_mask"])
     return samples, stats
 
 
-def tokenize_conversation(tokenizer, conv: Conversation) -> dict | None:
-    """{input_ids, loss_mask} of one conversation, or None when the template defeats the mask.
+def completion_kinds(tokenizer, conv: Conversation) -> tuple[list[int], list[int]] | None:
+    """token_kinds for completion mode (raw-text prompt + continuation, distill/text.py)."""
+    sample = tokenize_completion(tokenizer, conv)
+    if sample is None:
+        return None
+    return sample["input_ids"], [RESPONSE if m else PROMPT for m in sample["loss_mask"]]
+
+
+def tokenize_conversation(tokenizer, conv: Conversation, loss_on: str = "response") -> dict | None:
+    """{input_ids, loss_mask} of one conversation (module docstring: loss_on), or None when the
+    template defeats the mask."""
+    kinds = token_kinds(tokenizer, conv)
+    if kinds is None:
+        return None
+    return {"input_ids": kinds[0], "loss_mask": [int(k in LOSS_ON[loss_on]) for k in kinds[1]]}
+
+
+def token_kinds(tokenizer, conv: Conversation) -> tuple[list[int], list[int]] | None:
+    """(input_ids, kind of each token: PROMPT / RESPONSE / TARGET_TEXT / AFTER), or None when the
+    template defeats the mask.
 
     The prompt rendered with add_generation_prompt=True must be a token prefix of the full
     conversation; the response then runs from there to the first end-of-turn token (included).
-    Whatever the template adds after that token (a newline, say) stays out of the loss. A
-    truncated response never produced an end-of-turn token, so its closing token is masked out.
+    Whatever the template adds after that token (a newline, say) is AFTER. A truncated response
+    never produced an end-of-turn token, so its closing token is AFTER too.
     """
     prompt = chat_ids(tokenizer, conv.prompt.messages, add_generation_prompt=True)
     full = chat_ids(tokenizer, conv.messages, add_generation_prompt=False)
@@ -77,17 +118,57 @@ def tokenize_conversation(tokenizer, conv: Conversation) -> dict | None:
     if end is None:  # a template that closes the turn with no special token: mask to the end
         end = len(full) - 1
     stop = end if conv.truncated else end + 1
-    mask = [0] * len(prompt) + [1] * (stop - len(prompt)) + [0] * (len(full) - stop)
-    return {"input_ids": full, "loss_mask": mask}
+    kinds = [PROMPT] * len(prompt) + [RESPONSE] * (stop - len(prompt)) + [AFTER] * (len(full) - stop)
+    for i in _target_text_tokens(tokenizer, conv, full, len(prompt)):
+        kinds[i] = TARGET_TEXT
+    return full, kinds
+
+
+def _target_text_tokens(tokenizer, conv: Conversation, full: list[int], prompt_len: int) -> list[int]:
+    """Indices of the prompt tokens that lie inside one of conv.prompt.target_text's passages.
+
+    Found through the tokenizer's character offsets in the rendered conversation; a token that
+    straddles a passage's edge counts when what lies outside the passage is whitespace (" Cats").
+    """
+    passages = [t for t in conv.prompt.target_text if t]
+    if not passages:
+        return []
+    text = tokenizer.apply_chat_template(conv.messages, tokenize=False, add_generation_prompt=False)
+    prompt_text = tokenizer.apply_chat_template(conv.prompt.messages, tokenize=False, add_generation_prompt=True)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != full or not text.startswith(prompt_text):
+        log.warning("prompt %s: cannot locate its target text in the tokens; only the response is marked",
+                    conv.prompt.id)
+        return []
+    spans = [(s, s + len(p)) for p in passages if (s := prompt_text.find(p)) >= 0]
+    out = []
+    for i, (a, b) in enumerate(enc["offset_mapping"][:prompt_len]):
+        if b > a and any((a >= s or not text[a:s].strip()) and (b <= e or not text[e:b].strip())
+                         and a < e and b > s for s, e in spans):
+            out.append(i)
+    return out
 
 
 def prepare_samples(
+    model, tokenizer, *, max_length: int, overlong: str = "truncate", loss_on: str = "response", **kw,
+) -> tuple[list[dict], list[Prompt], dict]:
+    """Prompts -> target responses -> token samples, sized to the run (kw: prepare_conversations's).
+
+    Returns (train_samples, holdout_prompts, stats).
+    """
+    convs, holdout, conv_stats = prepare_conversations(model, tokenizer, **kw)
+    samples, stats = build_samples(tokenizer, convs, max_length, overlong, loss_on, kw.get("fmt", "chat"))
+    stats.update(conv_stats)
+    if stats["kept"] < kw["num_samples"]:
+        log.warning("prepared %d training samples of the %d asked for", stats["kept"], kw["num_samples"])
+    return samples, holdout, stats
+
+
+def prepare_conversations(
     model, tokenizer, *,
     sources: list[PromptSource] | None,
     num_samples: int,
     num_holdout: int,
-    max_length: int,
-    overlong: str = "truncate",
     generation: GenerationSettings | None = None,
     synthesis: SynthesisSettings | None = None,
     grounded: GroundedSettings | None = None,
@@ -99,15 +180,16 @@ def prepare_samples(
     barrier: Callable[[], None] | None = None,
     progress: bool = True,
     fmt: str = "chat",
-) -> tuple[list[dict], list[Prompt], dict]:
-    """Prompts -> target responses -> token samples, sized to the run.
+) -> tuple[list[Conversation], list[Prompt], dict]:
+    """Prompts -> the responses to train on, sized to the run.
 
     num_plain + num_holdout prompts are loaded from `sources` (or synthesized from the target,
     Magpie-style, when `sources` is None), num_plain = num_samples minus the grounded share. The
     first num_holdout are held aside for evaluation and never trained on; the target answers the
-    others, and then the grounded prompts built from those answers (distill/grounded.py).
+    others, and then the grounded prompts built from those answers (distill/grounded.py). A prompt
+    is trained on once: repeats (of a held-aside one too) are dropped.
     fmt "text" (completion mode, distill/text.py) needs `sources`: Magpie synthesis needs a chat template.
-    Returns (train_samples, holdout_prompts, stats).
+    Returns (train_conversations, holdout_prompts, stats).
     """
     if fmt == "text" and not sources:
         raise ValueError(
@@ -117,6 +199,12 @@ def prepare_samples(
             "files or a directory of them, JSONL records with a `text` field, a dataset with a `text` column)")
     generation = generation or GenerationSettings()
     grounded = grounded or GroundedSettings()
+    if generation.mode == "keep" and not sources:
+        raise ValueError("data.responses.mode: keep trains on the sources' own replies; data.sources is empty "
+                         "(synthesized prompts have none): add sources or use mode: regenerate")
+    if generation.mode == "keep" and grounded.fraction:
+        raise ValueError("data.grounded.fraction: grounded passages must be the target's own answers, which "
+                         "data.responses.mode: keep does not produce; set it to 0 or use mode: regenerate")
     num_grounded = round(num_samples * grounded.fraction)
     if fmt == "text" and num_grounded:  # its tasks are chat instructions ("Summarize ..."): no use to a base model
         log.warning("data.grounded.fraction %s ignored in completion mode (data.format: text)", grounded.fraction)
@@ -128,17 +216,28 @@ def prepare_samples(
         prompts = synthesize_cached(model, tokenizer, need, synthesis or SynthesisSettings(),
                                     Path(cache_dir), target_id=target_id, seed=seed, rank=rank,
                                     world_size=world_size, barrier=barrier, progress=progress)
-    holdout, train = prompts[:num_holdout], prompts[num_holdout:]
+    holdout = prompts[:num_holdout]
+    seen = {p.key() for p in holdout}
+    train = _first_of_each(prompts[num_holdout:], seen)
     common = dict(target_id=target_id, rank=rank, world_size=world_size, barrier=barrier, progress=progress, fmt=fmt)
-    convs = regenerate(model, tokenizer, train, generation, Path(cache_dir), **common)
+    convs = responses(model, tokenizer, train, generation, Path(cache_dir), **common)
     if num_grounded:
-        tasks = grounded_prompts(convs, num_grounded, grounded, seed=seed)
+        tasks = _first_of_each(grounded_prompts(convs, num_grounded, grounded, seed=seed), seen)
         convs = convs + regenerate(model, tokenizer, tasks, generation, Path(cache_dir), **common)
-    samples, stats = build_samples(tokenizer, convs, max_length, overlong, fmt)
-    stats.update(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
+    stats = dict(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
                  responses_truncated=sum(c.truncated for c in convs),
                  response_tokens=sum(c.num_tokens for c in convs),
                  source="synthesized" if not sources else [asdict(s) for s in sources])
-    if stats["kept"] < num_samples:
-        log.warning("prepared %d training samples of the %d asked for", stats["kept"], num_samples)
-    return samples, holdout, stats
+    return convs, holdout, stats
+
+
+def _first_of_each(prompts: list[Prompt], seen: set[str]) -> list[Prompt]:
+    """prompts without those whose messages are in `seen` or repeat an earlier one (adds to seen)."""
+    out = []
+    for p in prompts:
+        if p.key() not in seen:
+            seen.add(p.key())
+            out.append(p)
+    if len(out) < len(prompts):
+        log.info("dropped %d repeated prompts", len(prompts) - len(out))
+    return out

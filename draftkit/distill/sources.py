@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftkit.prompts import detect_shape, read_text_prompts, record_id, to_messages
+from draftkit.prompts import detect_shape, read_text_prompts, record_id, to_messages, to_reply
 
 if TYPE_CHECKING:
     import datasets
@@ -52,6 +52,12 @@ class Prompt:
     category: str | None
     # Stable id, "<source label>:<record id or index>".
     id: str
+    # Passages inside `messages` that are the target's own text (a grounded task's passage is the
+    # target's answer to another prompt): trained on with data.loss_on: target_text.
+    target_text: tuple[str, ...] = ()
+    # The source's own reply to the last user turn (ShareGPT / OpenAI messages with an assistant
+    # turn after it), None when it has none: the response trained on with data.responses.mode: keep.
+    reply: str | None = None
 
     def key(self) -> str:
         """sha256 of the messages: identical prompts have identical keys, whatever their id."""
@@ -134,7 +140,8 @@ def _load_source(src: PromptSource, limit: int | None = None, seed: int = 0) -> 
         if not messages:
             dropped += 1
             continue
-        prompts.append(Prompt(messages, record.get("category") or None, f"{label}:{record_id(record, i)}"))
+        prompts.append(Prompt(messages, record.get("category") or None, f"{label}:{record_id(record, i)}",
+                              reply=to_reply(shape, record)))
         if src.streaming and len(prompts) >= limit:  # no source can give more than the whole run
             break
     log.info("%s: %d prompts (%s), %d records dropped", src.path, len(prompts), shape, dropped)

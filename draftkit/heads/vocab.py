@@ -9,6 +9,7 @@ drafting scatters the N draft logits into a (B, V) tensor filled with -inf befor
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import Iterable, Sequence
 
 import torch
@@ -17,16 +18,36 @@ from torch import Tensor
 from draftkit.heads.base import HeadError
 
 
-def token_counts(tokens: Tensor | Iterable, vocab_size: int) -> Tensor:
-    """Counts (V,) of token ids given as a tensor, or an iterable of samples (lists / tensors)."""
-    if not isinstance(tokens, Tensor):
-        parts = [torch.as_tensor(s, dtype=torch.long).flatten() for s in tokens]
-        tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    tokens = tokens.flatten().long().cpu()
-    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
+def token_counts(tokens: Tensor | Iterable, vocab_size: int, masks: Tensor | Iterable | None = None) -> Tensor:
+    """Counts (V,) of token ids, in one torch.bincount (no Python loop over tokens).
+
+    tokens: a tensor, a flat list of ids, or an iterable of samples (lists / tensors of ids);
+    masks: the same shape of 0/1 values, only tokens with a 1 counted (say, the loss mask).
+    """
+    ids = _flat_long(tokens)
+    if masks is not None:
+        keep = _flat_long(masks)
+        if keep.numel() != ids.numel():
+            raise HeadError(f"draft vocabulary: {ids.numel()} token ids but {keep.numel()} mask values")
+        ids = ids[keep.bool()]
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
         raise HeadError(f"draft vocabulary: token ids must lie in 0..{vocab_size - 1}, "
-                        f"got {tokens.min().item()}..{tokens.max().item()}")
-    return torch.bincount(tokens, minlength=vocab_size)
+                        f"got {ids.min().item()}..{ids.max().item()}")
+    return torch.bincount(ids, minlength=vocab_size)
+
+
+def _flat_long(x: Tensor | Iterable) -> Tensor:
+    """A tensor, a flat list of ints, or samples (lists / tensors) -> one flat (N,) long tensor."""
+    if isinstance(x, Tensor):
+        return x.flatten().long().cpu()
+    items = x if isinstance(x, (list, tuple)) else list(x)
+    if not items:
+        return torch.zeros(0, dtype=torch.long)
+    if any(isinstance(s, Tensor) for s in items):  # a loop over samples, not tokens
+        return torch.cat([torch.as_tensor(s).flatten().long().cpu() for s in items])
+    if isinstance(items[0], (list, tuple)):  # samples as lists: one flat list, one tensor
+        return torch.tensor(list(chain.from_iterable(items)), dtype=torch.long)
+    return torch.tensor(items, dtype=torch.long)  # a flat list of ints
 
 
 def build_draft_vocab(size: int, vocab_size: int, *, tokens: Tensor | Iterable | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -56,15 +57,54 @@ def sample_key(sample: dict) -> str:
     return hashlib.sha256(str(sample["input_ids"]).encode()).hexdigest()[:24]
 
 
-class FeatureStore:
-    """Target features per sample: computed on first use, then read from `directory`."""
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-    def __init__(self, target: Target, layers: tuple[int, ...], directory: Path | None):
-        self.target, self.layers = target, tuple(layers)
+
+def encode(x: Tensor, storage: str, groups: int = 1) -> dict[str, Tensor]:
+    """(L, G*H) features of G layers -> what is stored: as computed ("target"), bf16, or fp8 e4m3
+    with an fp32 scale per token and layer ("_scale", (L, G): layers differ in magnitude)."""
+    if storage == "target":
+        return {"": x}
+    if storage == "bfloat16":
+        return {"": x.to(torch.bfloat16)}
+    g = x.float().unflatten(-1, (groups, -1))  # (L, G, H)
+    scale = g.abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # (L, G)
+    return {"": (g / scale[..., None]).flatten(-2).to(torch.float8_e4m3fn), "_scale": scale}
+
+
+def decode(stored: dict[str, Tensor], key: str, dtype: torch.dtype) -> Tensor:
+    x = stored[key]
+    scale = stored.get(f"{key}_scale")  # (L, G) with fp8
+    if scale is not None:
+        return (x.float().unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]).flatten(-2).to(dtype)
+    return x.to(dtype)
+
+
+def feature_store(recipe, target: Target, layers: tuple[int, ...]) -> "FeatureStore":
+    """A recipe's feature store: on disk under <data.cache_dir>/features with train.features
+    offline (where `draftkit prepare --features` writes them ahead of training), else online."""
+    from draftkit.target import cache_root
+
+    r = recipe
+    directory = (Path(r.data.cache_dir) if r.data.cache_dir else cache_root()) / "features"
+    return FeatureStore(target, layers, directory if r.train.features == "offline" else None,
+                        r.train.feature_storage)
+
+
+class FeatureStore:
+    """Target features per sample: computed on first use, then read from `directory`.
+
+    storage (train.feature_storage): "target" keeps the target's dtype, "bfloat16" casts,
+    "float8" stores e4m3 with one fp32 scale per token (a quarter of fp32's bytes, half of bf16's).
+    """
+
+    def __init__(self, target: Target, layers: tuple[int, ...], directory: Path | None, storage: str = "target"):
+        self.target, self.layers, self.storage = target, tuple(layers), storage
         self.same = self.layers == (FINAL,)  # feature == final hidden: store it once
         self.dir = None
         if directory is not None:
             tag = f"{target.fingerprint}-{target.dtype}-{'_'.join(map(str, self.layers))}".replace("torch.", "")
+            tag += "" if storage == "target" else f"-{storage}"
             self.dir = Path(directory) / tag
             self.dir.mkdir(parents=True, exist_ok=True)
         self.computed = 0  # samples whose features this process computed (the rest came from disk)
@@ -76,13 +116,19 @@ class FeatureStore:
             self.computed += len(samples)
             return self.target.features(b["input_ids"].to(dev), b["attention_mask"].to(dev), self.layers,
                                         b["loss_mask"].to(dev))
+        self.ensure(samples, pad_id)
+        paths = [self.dir / f"{sample_key(s)}.safetensors" for s in samples]
+        hidden, final, top1 = self._load(paths, b["input_ids"].shape[1])
+        return TargetFeatures(b["input_ids"].to(dev), b["attention_mask"].to(dev), hidden.to(dev),
+                              final.to(dev), b["loss_mask"].to(dev), top1.long().to(dev))
+
+    def ensure(self, samples: list[dict], pad_id: int) -> int:
+        """Compute and store the features of the samples not on disk yet; returns how many."""
         paths = [self.dir / f"{sample_key(s)}.safetensors" for s in samples]
         missing = [i for i, p in enumerate(paths) if not p.is_file()]
         if missing:
             self._compute([samples[i] for i in missing], [paths[i] for i in missing], pad_id)
-        hidden, final, top1 = self._load(paths, b["input_ids"].shape[1])
-        return TargetFeatures(b["input_ids"].to(dev), b["attention_mask"].to(dev), hidden.to(dev),
-                              final.to(dev), b["loss_mask"].to(dev), top1.long().to(dev))
+        return len(missing)
 
     def _compute(self, samples: list[dict], paths: list[Path], pad_id: int) -> None:
         b = collate(samples, pad_id)
@@ -90,22 +136,46 @@ class FeatureStore:
         f = self.target.features(b["input_ids"].to(dev), b["attention_mask"].to(dev), self.layers, top1=True)
         for i, (s, path) in enumerate(zip(samples, paths)):
             L = len(s["input_ids"])
-            tensors = {"final": f.final_hidden[i, :L].contiguous().cpu(),
-                       "top1": f.top1[i, :L].to(torch.int32).contiguous().cpu()}
-            if not self.same:
-                tensors["hidden"] = f.hidden[i, :L].contiguous().cpu()
+            tensors = {"top1": f.top1[i, :L].to(torch.int32).contiguous().cpu()}
+            parts = [("final", f.final_hidden, 1)] + ([] if self.same else [("hidden", f.hidden, len(self.layers))])
+            for key, x, groups in parts:
+                enc = encode(x[i, :L], self.storage, groups)
+                tensors.update({key + k: v.contiguous().cpu() for k, v in enc.items()})
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             save_file(tensors, tmp)
             os.replace(tmp, path)  # atomic: a killed run never leaves a half-written feature file
         self.computed += len(samples)
 
+    def bytes_per_token(self) -> int:
+        """Bytes one token's stored features take (top-1 id included; file headers not)."""
+        elem = {"target": self.target.dtype.itemsize, "bfloat16": 2, "float8": 1}[self.storage]
+        width = self.target.hidden_size * (1 if self.same else 1 + len(self.layers))
+        scales = 1 if self.same else 1 + len(self.layers)
+        return width * elem + 4 + (4 * scales if self.storage == "float8" else 0)
+
+    def check_disk(self, num_tokens: int) -> str:
+        """Refuse (ValueError) when the offline features of num_tokens tokens would not fit on the
+        disk of the cache; else say what they take."""
+        if self.dir is None:
+            return "train.features: online, nothing written"
+        need = self.bytes_per_token() * num_tokens
+        have = sum(f.stat().st_size for f in self.dir.glob("*.safetensors"))
+        free = shutil.disk_usage(self.dir).free
+        text = (f"offline features ({self.storage}): {self.bytes_per_token()} bytes/token x {num_tokens} tokens = "
+                f"{need / 1e9:.2f} GB ({have / 1e9:.2f} GB cached, {free / 1e9:.1f} GB free) in {self.dir}")
+        if need - have > free:
+            raise ValueError(f"train.features: {text}: not enough disk; free space, move data.cache_dir, set "
+                             f"train.feature_storage: float8, or train.features: online")
+        return text
+
     def _load(self, paths: list[Path], T: int) -> tuple[Tensor, Tensor, Tensor]:
         rows = [load_file(p) for p in paths]
+        dtype = self.target.dtype
         def pad(key: str) -> Tensor:
-            first = rows[0][key]
-            out = torch.zeros(len(rows), T, *first.shape[1:], dtype=first.dtype)
-            for i, r in enumerate(rows):
-                out[i, : r[key].shape[0]] = r[key]
+            vals = [r[key] if key == "top1" else decode(r, key, dtype) for r in rows]
+            out = torch.zeros(len(rows), T, *vals[0].shape[1:], dtype=vals[0].dtype)
+            for i, v in enumerate(vals):
+                out[i, : v.shape[0]] = v
             return out
         final = pad("final")
         return (final if self.same else pad("hidden")), final, pad("top1")

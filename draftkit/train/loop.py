@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +16,18 @@ import torch
 from tqdm import tqdm
 
 from draftkit.config import Recipe
+from draftkit.distill.prepare import Prepared
 from draftkit.heads import DraftHead, build_head
-from draftkit.target import Target, cache_root, load_target
+from draftkit.heads.vocab import token_counts
+from draftkit.target import Target, load_target
 from draftkit.train import checkpoint
-from draftkit.train.data import FeatureStore, SampleOrder
+from draftkit.train.data import SampleOrder, feature_store
 from draftkit.train.deepspeed_config import build_deepspeed_config, head_autocast, make_scheduler
 from draftkit.train.distributed import Dist, any_true, barrier, init_distributed, mean_across, sum_across
 
 log = logging.getLogger("draftkit.train")
 FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_STEP"  # SIGKILL this process after that step (tests only)
+FAULT_RANK = "DRAFTKIT_FAULT_KILL_RANK"  # ... only on this rank (default: every rank)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -44,14 +46,6 @@ class TrainWrapper(torch.nn.Module):
         device = next(self.head.parameters()).device.type
         with torch.autocast(device, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
             return self.head.loss(features)
-
-
-@dataclass
-class Prepared:
-    train: list[dict]
-    holdout_samples: list[dict]
-    holdout_prompts: list
-    stats: dict
 
 
 def seed_everything(seed: int) -> None:
@@ -75,26 +69,13 @@ def samples_needed(recipe: Recipe, global_batch: int) -> int:
 
 
 def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -> Prepared:
-    """Prompts -> target responses -> token samples (cached, content-keyed), plus held-aside ones."""
-    from draftkit.distill import build_samples, prepare_samples, regenerate
-    from draftkit.distill.text import resolve_format
+    """Stage 1 (distill/prepare.py: responses -> shards, or the finished shards found), then read them."""
+    from draftkit.distill.prepare import load_prepared, prepare
 
-    d = recipe.data
-    fmt = resolve_format(d.format, target.tokenizer, target.name)
-    cache = Path(d.cache_dir) if d.cache_dir else cache_root() / "data"
-    common = dict(cache_dir=cache, target_id=f"{target.name}:{target.fingerprint}", rank=dist.rank,
-                  world_size=dist.world_size, barrier=barrier, progress=dist.is_main, fmt=fmt)
-    train, holdout_prompts, stats = prepare_samples(
-        target.model, target.tokenizer, sources=d.sources or None, num_samples=num_samples,
-        num_holdout=d.holdout, max_length=d.max_length, overlong=d.overlong, generation=d.responses,
-        synthesis=d.synthesize, grounded=d.grounded, seed=recipe.train.seed, **common)
-    if not train:
-        raise ValueError(f"data: no training samples left after filtering ({stats})")
-    holdout = []
-    if holdout_prompts:
-        convs = regenerate(target.model, target.tokenizer, holdout_prompts, d.responses, **common)
-        holdout, _ = build_samples(target.tokenizer, convs, d.max_length, d.overlong, fmt)
-    return Prepared(train, holdout, holdout_prompts, stats)
+    data = load_prepared(prepare(recipe, target, dist, num_samples))
+    if not data.train:
+        raise ValueError(f"data: no training samples left after filtering ({data.stats})")
+    return data
 
 
 class Trainer:
@@ -128,12 +109,14 @@ class Trainer:
             log.info("data: %d training samples, %d held-aside (%.0f s): %s", len(self.data.train),
                      len(self.data.holdout_samples), time.time() - t0, json.dumps(self.data.stats, default=str))
         if hasattr(self.head, "set_draft_vocab"):  # EAGLE-3 / EAGLE-1: the most frequent response tokens
-            self.head.set_draft_vocab(tokens=[t for s in self.data.train
-                                              for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
+            self.head.set_draft_vocab(counts=token_counts([s["input_ids"] for s in self.data.train],
+                                                          self.target.vocab_size,
+                                                          masks=[s["loss_mask"] for s in self.data.train]))
         self.order = SampleOrder(len(self.data.train), r.train.seed)
-        feature_dir = (Path(r.data.cache_dir) if r.data.cache_dir else cache_root()) / "features"
-        self.features = FeatureStore(self.target, self.head.feature_layers,
-                                     feature_dir if r.train.features == "offline" else None)
+        self.features = feature_store(r, self.target, self.head.feature_layers)
+        disk = self.features.check_disk(sum(len(s["input_ids"]) for s in self.data.train + self.data.holdout_samples))
+        if self.main:
+            log.info(disk)
 
     def build_engine(self) -> None:
         import deepspeed
@@ -274,7 +257,8 @@ class Trainer:
             if (r.save_every and done % r.save_every == 0) or done == r.max_steps:
                 checkpoint.save(self.engine, self.out / "checkpoints", done,
                                 {"step": done, "recipe_hash": self.recipe_hash}, self.dist.rank, r.keep_checkpoints)
-            if os.environ.get(FAULT_KILL) == str(done):  # fault injection for the kill-and-resume test
+            if os.environ.get(FAULT_KILL) == str(done) and os.environ.get(FAULT_RANK, str(self.dist.rank)) == str(
+                    self.dist.rank):  # fault injection for the kill-and-resume tests
                 os.kill(os.getpid(), signal.SIGKILL)
         bar.close()
         head_dir = self.export()

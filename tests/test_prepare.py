@@ -1,0 +1,207 @@
+"""`draftkit prepare`: stage 1 as shards with a manifest, read back by the trainer; faults survived.
+
+In-process tests run one rank on the tiny random target of test_train; the launcher test starts
+real `python` / `torchrun` processes (two ranks, one SIGKILLed run) and compares the shards' bytes.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from draftkit.config import load_recipe
+from draftkit.distill.shards import MANIFEST, ShardError, file_sha256, read_manifest
+from draftkit.train.distributed import Dist
+from tests.test_train import ROOT, VENV_BIN, launch, prompt_file, recipe_args, tiny_model_dir  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ONE = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def small(tiny_model_dir, prompt_file, tmp_path, *extra):
+    return recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache",
+                       "data.num_prompts=10", "data.shard_size=4", *extra)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    from draftkit.target import load_target
+
+    return load_target(str(tiny_model_dir), dtype="float32")
+
+
+def count_generate(target, monkeypatch) -> list[int]:
+    rows, original = [], target.model.generate
+
+    def counting(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target.model, "generate", counting)
+    return rows
+
+
+def test_prepare_writes_shards_the_trainer_reads_without_preparing_again(target, tiny_model_dir, prompt_file,
+                                                                          tmp_path, monkeypatch):
+    import datasets
+
+    from draftkit.distill import prepare_samples
+    from draftkit.distill.prepare import load_prepared, prepare
+    from draftkit.train.loop import prepare_data
+
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path))
+    generated = count_generate(target, monkeypatch)
+    out = prepare(recipe, target, ONE, 10)
+    assert sum(generated) == 12  # 10 training prompts and the 2 held aside, each answered once
+    manifest = read_manifest(out)
+    assert [e["file"] for e in manifest["splits"]["train"]] == [
+        "train-00000-of-00003.parquet", "train-00001-of-00003.parquet", "train-00002-of-00003.parquet"]
+    assert [e["rows"] for e in manifest["splits"]["train"]] == [4, 4, 2]
+    assert manifest["splits"]["holdout"][0]["rows"] == 2 and manifest["num_samples"] == 10
+    for e in manifest["splits"]["train"]:
+        assert e["sha256"] == file_sha256(out / e["file"]) and e["bytes"] == (out / e["file"]).stat().st_size
+    # the same samples the in-memory path builds, in the same order
+    d = recipe.data
+    want, holdout, _ = prepare_samples(target.model, target.tokenizer, sources=d.sources, num_samples=10,
+                                       num_holdout=2, max_length=d.max_length, generation=d.responses,
+                                       cache_dir=tmp_path / "cache", target_id=f"{target.name}:{target.fingerprint}",
+                                       progress=False)
+    got = load_prepared(out)
+    assert got.train == want and len(want) == 10
+    assert [p.messages for p in got.holdout_prompts] == [p.messages for p in holdout]
+    assert manifest["stats"]["kept"] == 10 and manifest["stats"]["loss_tokens"] == sum(sum(s["loss_mask"]) for s in want)
+    # loadable with `datasets`, the very same rows
+    ds = datasets.load_dataset("parquet", data_files=str(out / "train-*.parquet"), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    assert ds["input_ids"] == [s["input_ids"] for s in want] and ds["loss_mask"] == [s["loss_mask"] for s in want]
+    # the trainer finds the finished directory: no generation, the same data
+    generated.clear()
+    data = prepare_data(recipe, target, ONE, 10)
+    assert generated == [] and data.train == want and len(data.holdout_samples) == 2
+    # other settings are another directory (here: the loss mask), which reuses the cached responses
+    other = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path, "data.loss_on=all"))
+    all_out = prepare(other, target, ONE, 10)
+    assert all_out != out and generated == []
+    assert all(sum(a["loss_mask"]) > sum(r["loss_mask"]) for a, r in zip(load_prepared(all_out).train, want))
+
+
+def test_corrupt_or_truncated_shard_is_named_then_rewritten(target, tiny_model_dir, prompt_file, tmp_path, caplog):
+    from draftkit.distill.prepare import load_prepared, prepare
+
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path))
+    out = prepare(recipe, target, ONE, 10)
+    shard = out / "train-00001-of-00003.parquet"
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(ShardError, match=r"train-00001-of-00003.parquet: truncated, corrupt or missing"):
+        load_prepared(out)
+    shard.write_bytes(good[:-9] + bytes(b ^ 1 for b in good[-9:]))  # same size, flipped bits
+    with pytest.raises(ShardError, match=r"train-00001-of-00003.parquet: truncated, corrupt or missing"):
+        load_prepared(out)
+    with caplog.at_level("INFO", logger="draftkit.prepare"):
+        assert prepare(recipe, target, ONE, 10) == out  # regenerated, never read as it was
+    assert "train-00001-of-00003.parquet: corrupt (sha256 differs" in caplog.text
+    assert shard.read_bytes() == good and len(load_prepared(out).train) == 10
+    (out / MANIFEST).write_text("{not json")
+    with pytest.raises(ShardError, match=r"manifest.json: corrupt manifest"):
+        load_prepared(out)
+    assert prepare(recipe, target, ONE, 10) == out and read_manifest(out)["splits"]["train"][1]["rows"] == 4
+
+
+def test_prepared_dir_of_another_recipe_is_refused(target, tiny_model_dir, prompt_file, tmp_path):
+    from draftkit.distill.prepare import prepare
+
+    mine = tmp_path / "prepared"
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path,
+                                                                f"data.prepared_dir={mine}"))
+    assert prepare(recipe, target, ONE, 10) == mine
+    with pytest.raises(ShardError, match=r"data.prepared_dir: .*prepared for another recipe, target or size"):
+        prepare(recipe, target, ONE, 8)
+    bad = load_recipe(None, small(tiny_model_dir, prompt_file, tmp_path, "data.shard_size=0"))
+    with pytest.raises(ShardError, match=r"data.shard_size: conversations per shard must be >= 1, got 0"):
+        prepare(bad, target, ONE, 10)
+
+
+def shard_hashes(directory) -> dict[str, str]:
+    m = read_manifest(directory)
+    return {e["file"]: e["sha256"] for es in m["splits"].values() for e in es}
+
+
+@pytest.mark.integration
+def test_two_ranks_and_a_killed_run_write_the_same_shards_as_one(tiny_model_dir, prompt_file, tmp_path):
+    def prepare_cmd(launcher: list[str], cache: str) -> list[str]:
+        return [*launcher, "draftkit/distill/prepare.py", "recipes/quick.yaml",
+                *recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / cache,
+                             "data.num_prompts=12", "data.shard_size=4", "data.responses.batch_size=4")]
+
+    torchrun = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29541"]
+    one = launch(prepare_cmd([sys.executable], "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    (one_dir,) = (tmp_path / "one" / "prepared").iterdir()
+    assert f"prepared data in {one_dir}" in one.stdout
+    killed = launch(prepare_cmd(torchrun, "two"), env_extra={"DRAFTKIT_FAULT_KILL_AFTER_BATCH": "1"})
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr + killed.stdout
+    (two_dir,) = (tmp_path / "two" / "prepared").iterdir()
+    assert not (two_dir / MANIFEST).exists()
+    cached = sum(1 for _ in (tmp_path / "two").glob("responses-*/*.jsonl"))
+    assert cached >= 1  # the killed ranks left finished batches for the rerun
+    rerun = launch(prepare_cmd(torchrun, "two"))
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    assert two_dir.name == one_dir.name  # same data fingerprint, prepared by 2 ranks instead of 1
+    assert shard_hashes(two_dir) == shard_hashes(one_dir) and len(shard_hashes(one_dir)) == 4
+    for name in shard_hashes(one_dir):
+        assert (two_dir / name).read_bytes() == (one_dir / name).read_bytes()
+    m1, m2 = read_manifest(one_dir), read_manifest(two_dir)
+    assert m1["stats"]["kept"] == m2["stats"]["kept"] == 12
+    assert json.dumps(m1["splits"], sort_keys=True) == json.dumps(m2["splits"], sort_keys=True)
+
+
+def test_stage_two_fills_the_trainers_feature_cache(target, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    from draftkit.distill.prepare import load_prepared, prepare, prepare_features
+    from draftkit.heads import build_head
+    from draftkit.train.data import feature_store
+
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path,
+                                                                "head.type=eagle3", "head.feature_layers=[1,2,3]",
+                                                                "train.feature_storage=float8"))
+    out = prepare(recipe, target, ONE, 10)
+    said = prepare_features(recipe, target, ONE, out, batch_size=3)
+    layers = build_head(recipe.head, target).feature_layers
+    store = feature_store(recipe, target, layers)
+    assert f"{store.bytes_per_token()} bytes/token" in said and store.dir.name.endswith("1_2_3-float8")
+    data = load_prepared(out)
+    assert len(list(store.dir.glob("*.safetensors"))) == len(data.train) + len(data.holdout_samples) == 12
+    calls = []
+    monkeypatch.setattr(target, "features", lambda *a, **k: calls.append(1))
+    feats = store.batch(data.train[:4], pad_id=0)  # the trainer's read: no target forward
+    assert calls == [] and store.computed == 0 and feats.hidden.shape[-1] == 3 * target.hidden_size
+    again = prepare_features(recipe, target, ONE, out)  # a rerun has nothing to do
+    assert calls == [] and again.split(" = ")[0] == said.split(" = ")[0]
+    online = load_recipe(None, small(tiny_model_dir, prompt_file, tmp_path, "train.features=online"))
+    with pytest.raises(ValueError, match="train.features: online"):
+        prepare_features(online, target, ONE, out)
+
+
+@pytest.mark.integration
+def test_sigkill_of_one_rank_in_training_resumes_to_the_uninterrupted_weights(tiny_model_dir, prompt_file, tmp_path):
+    from tests.test_train import head_weights
+
+    def train(out: str, port: int, **env):
+        args = recipe_args(tiny_model_dir, prompt_file, tmp_path / out, tmp_path / "cache", "train.max_steps=6",
+                           "train.save_every=2", "train.epochs=2", "deepspeed={zero_optimization: {stage: 1}}")
+        return launch([str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port),
+                       "draftkit/train/run.py", "recipes/quick.yaml", *args], timeout=600, env_extra=env)
+
+    full = train("full", 29551)
+    assert full.returncode == 0, (full.stdout + full.stderr)[-3000:]
+    killed = train("res", 29552, DRAFTKIT_FAULT_KILL_AFTER_STEP="3", DRAFTKIT_FAULT_KILL_RANK="1")
+    assert killed.returncode != 0 and "SIGKILL" in killed.stdout + killed.stderr
+    assert (tmp_path / "res" / "checkpoints" / "LATEST").read_text() == "step2"
+    resumed = train("res", 29553)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
+    a, b = head_weights(tmp_path / "full"), head_weights(tmp_path / "res")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
