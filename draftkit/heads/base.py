@@ -213,7 +213,13 @@ class DraftHead(nn.Module):
             raise HeadError(f"{self.family} head drafts trees up to depth {self.max_tree_depth}, asked for {shape.depth}")
         root = self.tree_root(state, feats, next_tokens, valid)
         return grow_tree(root, self.tree_logp,
-                         lambda h, tokens, depth, visible: self.tree_step(state, h, tokens, depth, visible), shape)
+                         lambda h, tokens, depth, visible: self.tree_step(state, h, tokens, depth, visible), shape,
+                         self.tree_vocab)
+
+    @property
+    def tree_vocab(self) -> Tensor | None:
+        """(V',) target ids of tree_logp's entries when it scores a draft vocabulary (None: the target's)."""
+        return None
 
     # ---- save / load ----
     @classmethod

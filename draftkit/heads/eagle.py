@@ -202,7 +202,13 @@ class EagleHead(DraftVocab, DraftHead):
         return self._consume(state, feats, next_tokens, valid)
 
     def tree_logp(self, h: Tensor, depth: int) -> Tensor:
-        return torch.log_softmax(self._logits(h), dim=-1)
+        """Over the draft vocabulary when there is one (tree_vocab maps it): no 49k scatter per depth."""
+        logits = self.draft_logits(h) if self.has_draft_vocab else self.target_logits(h)
+        return torch.log_softmax(logits, dim=-1)
+
+    @property
+    def tree_vocab(self) -> Tensor | None:
+        return self.draft_ids if self.has_draft_vocab else None
 
     def tree_step(self, state: ChainState, parent_h: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
         positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)

@@ -218,7 +218,11 @@ class Eagle3Head(DraftVocab, DraftHead):
         return self._consume(state, feats, next_tokens, valid)
 
     def tree_logp(self, o: Tensor, depth: int) -> Tensor:
-        return torch.log_softmax(self.to_target_logits(self.logits(o)), dim=-1)
+        return torch.log_softmax(self.logits(o), dim=-1)  # over the draft vocabulary (tree_vocab)
+
+    @property
+    def tree_vocab(self) -> Tensor:
+        return self.draft_ids
 
     def tree_step(self, state: ChainState, parent_o: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
         positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)

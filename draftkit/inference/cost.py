@@ -110,8 +110,9 @@ def measure_draft(target, head, context: list[int], topks, depth: int, reps: int
 def record_profile(target, drafter_for, prompts: list[list[int]], topks, depth: int, max_new_tokens: int,
                    stop_ids=None) -> tuple[dict[int, list[StepRecord]], list[int], float, int]:
     """Run the loop with the biggest tree per topk (drafter_for(topk) -> (drafter, shape)) and
-    record every step. Returns the records, every step's verify width, the loop's verify seconds
-    and its steps (the caller subtracts the forward's share to get the per-step overhead)."""
+    record every step. Returns the records, every step's verify width, the loop's seconds outside
+    prefill and drafting, and its steps (the caller subtracts the forward's share: the rest is the
+    per-step overhead of the walk, the cache roll-back and the bookkeeping)."""
     records: dict[int, list[StepRecord]] = {}
     widths, verify_s, steps = [], 0.0, 0
     for k in topks:
@@ -132,7 +133,7 @@ def record_profile(target, drafter_for, prompts: list[list[int]], topks, depth: 
         dec.observer = observe
         for p in prompts:
             _, st = dec.generate([p], max_new_tokens)
-            verify_s += st.verify_s
+            verify_s += st.total_s - st.prefill_s - st.draft_s  # the forward + everything else per step
             steps += st.steps
     return records, widths, verify_s, steps
 

@@ -253,7 +253,8 @@ class TargetCache:
             for name in ("keys", "values"):
                 t = getattr(layer, name)  # (B, kv, S, d)
                 g = idx[:, None, :, None].expand(t.shape[0], t.shape[1], L, t.shape[3])
-                setattr(layer, name, torch.cat([t[:, :, :S0], t[:, :, S0:].gather(2, g)], dim=2))
+                t[:, :, S0: S0 + L] = t[:, :, S0:].gather(2, g)  # the kept slots, in path order, in place
+                setattr(layer, name, t[:, :, : S0 + L])  # a view: no copy of the cache
         self.slot_valid = torch.cat([self.slot_valid[:, :S0], keep], dim=1)
         self.slot_pos = torch.cat([self.slot_pos[:, :S0], self.slot_pos[:, S0:].gather(1, idx)], dim=1)
         self.next_pos += num_keep

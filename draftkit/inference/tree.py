@@ -132,13 +132,18 @@ StepFn = Callable[[Tensor | None, Tensor, int, Tensor], Tensor]
 LogpFn = Callable[[Tensor, int], Tensor]
 
 
-def grow_tree(root_hidden: Tensor, logp: LogpFn, step: StepFn, shape: TreeShape) -> DraftTree:
+def grow_tree(root_hidden: Tensor, logp: LogpFn, step: StepFn, shape: TreeShape,
+              token_map: Tensor | None = None) -> DraftTree:
     """EAGLE-2 dynamic tree (module doc). root_hidden (B, H): the head's state after the root.
 
     The head only provides `logp` (children of a fed node) and `step` (feed frontier nodes: their
     parents' hidden, their tokens, depth d (1-based) and which already-fed nodes they may attend to,
-    ancestors and themselves). Returns the best `budget` candidates as a DraftTree.
+    ancestors and themselves). `logp` may be over a draft vocabulary: token_map (V',) then gives
+    the target id of each of its entries. Returns the best `budget` candidates as a DraftTree.
     """
+    if token_map is not None:
+        inner = step
+        step = lambda h, tokens, d, visible: inner(h, token_map[tokens], d, visible)  # noqa: E731
     B, dev = root_hidden.shape[0], root_hidden.device
     k = shape.topk
     lp = logp(root_hidden[:, None], 1)[:, 0]  # (B, V)
@@ -176,6 +181,8 @@ def grow_tree(root_hidden: Tensor, logp: LogpFn, step: StepFn, shape: TreeShape)
         pool_depth.append(torch.full_like(child_tok.flatten(1), d + 1))
         frontier = base + _stable_top(child_score, k)
     tokens, parents, scores, depth = (torch.cat(x, 1) for x in (pool_tok, pool_par, pool_score, pool_depth))
+    if token_map is not None:
+        tokens = token_map[tokens]
     return _select(tokens, parents, scores, depth, shape.budget)
 
 
