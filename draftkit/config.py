@@ -191,3 +191,18 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     if "type" not in recipe.head:
         raise ConfigError("head.type: missing; name a head family (eagle, eagle3, medusa, mtp)")
     return recipe
+
+
+def recipe_for_launch(path: str | None, overrides: list[str], local_rank: int | None) -> Recipe | None:
+    """The recipe of a launcher entry point (train/run.py, draftkit prepare): the deepspeed launcher's
+    --local_rank becomes LOCAL_RANK; a bad recipe is printed (None returned, the caller exits 2)."""
+    import os
+    import sys
+
+    if local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    try:
+        return load_recipe(path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None

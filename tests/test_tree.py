@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from draftkit.heads import build_head
-from draftkit.inference.decoder import SpecDecoder, SpecError, plain_generate
+from draftkit.inference.decoder import SpecDecoder, SpecError
 from draftkit.inference.drafters import DraftSettings, DraftSettingsError, HybridDrafter
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs
 from draftkit.inference.tree import (SOURCE_HEAD, SOURCE_LOOKUP, DraftTree, TreeShape, accept_tree,
                                      accept_tree_loop, add_branches, grow_tree, tree_noise)
-from tests.conftest import fit_on_greedy_continuations, make_tiny_target
+from tests.conftest import fit_on_greedy_continuations
 from tests.test_spec_decoder import V, hf_greedy, make_prompts, varied_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
-from draftkit.heads.layers import (ChainState, DecoderLayer, LayerKV, cached_mask, causal_mask,  # noqa: F401
-                                   last_valid, masked_mean)
+from draftkit.heads.layers import ChainState, DecoderLayer, LayerKV, causal_mask, last_valid
 from draftkit.heads.losses import kl_rows
 from draftkit.heads.vocab import DraftVocab, check_draft_vocab_size, in_vocab_mean
 from draftkit.target import FINAL

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
 from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, UnrolledMask,
-                                   cached_mask, last_valid)
+                                   last_valid)
 from draftkit.heads.losses import kl_rows
 from draftkit.heads.vocab import (DraftVocab, build_draft_vocab, check_draft_vocab_size, in_vocab_mean,  # noqa: F401
                                   token_counts)

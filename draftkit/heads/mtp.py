@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
-from draftkit.heads.layers import ChainState, DecoderLayer, LayerKV, RMSNorm, cached_mask, causal_mask
+from draftkit.heads.layers import ChainState, DecoderLayer, LayerKV, RMSNorm, causal_mask
 from draftkit.heads.losses import kl_rows
 from draftkit.target import FINAL
 

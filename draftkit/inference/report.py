@@ -189,7 +189,7 @@ def format_markdown(report: dict) -> str:
         divs = run.get("greedy_divergences")
         if divs is None:
             continue
-        md += [f"## T = 0 equality with plain decoding", "",
+        md += ["## T = 0 equality with plain decoding", "",
                f"{run.get('greedy_mismatches')} of {run.get('done_prompts')} prompts differ "
                f"({run.get('greedy_near_ties', 0)} at near-ties of the target's top-2 logits)"
                + ("." if report.get("lossless", True) else

@@ -19,15 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from draftkit.config import load_recipe
+    from draftkit.config import recipe_for_launch
     from draftkit.schema import ConfigError
 
-    if args.local_rank is not None:  # the deepspeed launcher passes --local_rank
-        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    recipe = recipe_for_launch(args.recipe, args.overrides, args.local_rank)  # the launcher passes --local_rank
+    if recipe is None:
         return 2
     from draftkit.heads import HeadError
     from draftkit.target import TargetError
