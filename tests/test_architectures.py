@@ -23,6 +23,7 @@ from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.decoder import SpecDecoder
 from draftkit.target import FINAL
 from tests.conftest import fit, fit_on_greedy_continuations, make_arch_target
+from tests.test_spec_decoder import hf_greedy  # transformers' own greedy decoding, one row at a time
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,16 +78,6 @@ def target_of(arch: str):
 def prompts(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, V, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def hf_greedy(target, rows, n):
-    """transformers' own greedy decoding, one row at a time (no padding): the reference."""
-    out = []
-    for p in rows:
-        ids = target.model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-        out.append(ids[0, len(p):].tolist())
-    return out
 
 
 def test_feature_layer_convention(arch):

@@ -25,7 +25,8 @@ from draftkit.inference.sampling import SamplingParams, logits_to_probs
 from draftkit.inference.tree import (SOURCE_HEAD, SOURCE_LOOKUP, DraftTree, TreeShape, accept_tree,
                                      accept_tree_loop, add_branches, grow_tree, tree_noise)
 from tests.conftest import fit_on_greedy_continuations
-from tests.test_spec_decoder import V, hf_greedy, make_prompts, varied_target
+from tests.test_spec_decoder import V, make_prompts, varied_target
+from tests.test_spec_decoder import reference, target  # noqa: F401  (the loop's fixtures: one target, its greedy reference)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -310,17 +311,6 @@ def test_settings_validate_and_describe():
 # ---------------------------------------------------------------------------------------------
 # 3. The loop
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def target():
-    return varied_target()
-
-
-@pytest.fixture(scope="module")
-def reference(target):
-    prompts = make_prompts()
-    return prompts, hf_greedy(target, prompts, 24)
 
 
 SHAPES = [TreeShape(1, 3, 3), TreeShape(3, 4, 10), TreeShape(4, 2, 20)]

@@ -498,8 +498,7 @@ class SpecDecoder:
             rows.add(b, [t])
         next_tokens = torch.cat([ids[:, 1:], pending[:, None]], dim=1)  # (B, L): token after each position
         feed_valid = valid
-        if feats is None:
-            feats = ids.new_zeros(*ids.shape, 0, dtype=self.target.dtype)
+        feats = _no_feats(feats, ids, self.target.dtype)
         state = self.head.new_draft_state(B)
         _sync(dev)
         stats.prefill_s = time.perf_counter() - t_start

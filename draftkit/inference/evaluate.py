@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -576,9 +575,9 @@ def calibrate(target, head, head_dir: Path, prompts: list[EvalPrompt], settings:
 
 def write_draft_section(head_dir: Path, draft: DraftSettings) -> None:
     """Set `draft:` in the head's config.json, atomically (a crash leaves the previous file)."""
+    from draftkit.inference.report import _atomic_write
+
     path = Path(head_dir) / "config.json"
     cfg = json.loads(path.read_text())
     cfg["draft"] = draft.to_dict()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(cfg, indent=2, default=str))
-    os.replace(tmp, path)
+    _atomic_write(path, json.dumps(cfg, indent=2, default=str))

@@ -257,7 +257,7 @@ class RejectionSampler:
             # A row's stream must not depend on how wide the other rows' drafts made this step:
             # with draw_width fixed per run, every row draws the same count every step.
             accept_uniform = self._uniform((B, max(k, draw_width or 0)), generators, target.device)[:, :k]
-            sample_noise = _inverse(self._exponential((B, V), generators, target.device))  # (B, V)
+            sample_noise = inverse_exponential(self._exponential((B, V), generators, target.device))  # (B, V)
             if draft_probs is not None:
                 draft_probs = draft_probs.float()
         sample = self._dispatch(target)
@@ -288,7 +288,7 @@ class RejectionSampler:
         return exponential(shape, generators).to(device)
 
 
-def _inverse(exp_noise: torch.Tensor) -> torch.Tensor:
+def inverse_exponential(exp_noise: torch.Tensor) -> torch.Tensor:
     """1 / E, with E clamped away from 0: E == 0 would give inf, and 0 * inf = NaN would win
     torch.argmax (NaN counts as the maximum) but not the Triton kernel. 1/tiny is still finite."""
     return exp_noise.clamp_min(torch.finfo(torch.float32).tiny).reciprocal()

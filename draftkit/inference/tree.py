@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from draftkit.inference.rejection import inverse_exponential, race_sample
 from draftkit.inference.sampling import SamplingParams, exponential, logits_to_probs
 
 SOURCE_HEAD, SOURCE_LOOKUP = 1, 2  # bit flags of DraftTree.source
@@ -283,8 +284,7 @@ class TreeVerdict:
 
 def tree_noise(depth: int, vocab: int, generators) -> Tensor:
     """(B, depth+1, V) float32 1/Exp(1), each row from its own generator (a fixed amount per step)."""
-    e = exponential((len(generators), depth + 1, vocab), generators)
-    return e.clamp_min(torch.finfo(torch.float32).tiny).reciprocal()
+    return inverse_exponential(exponential((len(generators), depth + 1, vocab), generators))
 
 
 def accept_tree(tree: DraftTree, logits: Tensor, params: SamplingParams, noise: Tensor | None,
@@ -325,7 +325,7 @@ def draw(logits: Tensor, params: SamplingParams, noise: Tensor | None) -> Tensor
     """(B, V) raw logits -> (B,) the target's token: argmax, or the exponential race with noise."""
     if params.greedy:
         return logits.argmax(-1)
-    return (logits_to_probs(logits, params) * noise).argmax(-1)
+    return race_sample(logits_to_probs(logits, params), noise)
 
 
 def accept_tree_loop(tree: DraftTree, logits: Tensor, params: SamplingParams, noise: Tensor | None) -> list[list[int]]:
