@@ -125,6 +125,20 @@ class TrainConfig:
     # "auto" continues the latest checkpoint in output_dir/checkpoints, "none" starts fresh,
     # or a path to a checkpoint directory.
     resume: str = "auto"
+    # How samples are grouped into micro-batches (right-padded to the longest): "random" as the
+    # epoch's permutation draws them; "length_buckets" sorts windows of bucket_window global batches
+    # by length, cuts them into micro-batches and shuffles those (train/data.py SampleOrder): far
+    # less padding on mixed lengths, every sample still once per epoch, resume still exact.
+    batching: Literal["random", "length_buckets"] = "random"
+    # Window of length_buckets, in global batches: wider = less padding, narrower = more mixing of
+    # which samples share a micro-batch from epoch to epoch.
+    bucket_window: int = 64
+    # DataLoader worker processes that read offline features (and collate) ahead of the head's step
+    # (train/loader.py); 0 = in the main process, synchronously. With online features the workers
+    # only collate token ids: the target's forward stays in the main process.
+    loader_workers: int = 0
+    # Micro-batches each worker keeps ready (DataLoader prefetch_factor; used when loader_workers > 0).
+    prefetch: int = 2
 
 
 @dataclass

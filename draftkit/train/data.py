@@ -7,6 +7,7 @@ after the first, and resumed runs, never run the target again for the same sampl
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
@@ -20,23 +21,65 @@ from draftkit.target import FINAL, Target, TargetFeatures
 
 
 class SampleOrder:
-    """Global sample sequence: epoch e visits all samples in a permutation seeded by (seed, e)."""
+    """Global sample sequence: epoch e visits all samples in a permutation seeded by (seed, e).
 
-    def __init__(self, num_samples: int, seed: int):
+    batching "random" reads the permutation as it is. "length_buckets" (needs `lengths` and the
+    micro-batch size) cuts it into windows of `window` samples, sorts each window by sample length,
+    cuts it into micro-batches and shuffles their order (seeded by seed, epoch, window): each
+    micro-batch holds samples of similar length (little padding), the steps still see lengths in
+    random order, and every epoch is still a permutation. Either way the stream is a pure function
+    of (seed, position), so a resumed run reads the batches an uninterrupted one would, and ranks
+    read disjoint positions of it.
+    """
+
+    def __init__(self, num_samples: int, seed: int, batching: str = "random", lengths: list[int] | None = None,
+                 micro_batch: int = 1, window: int = 1):
         if num_samples == 0:
             raise ValueError("no training samples")
-        self.n, self.seed = num_samples, seed
+        if batching not in ("random", "length_buckets"):
+            raise ValueError(f"train.batching: expected random or length_buckets, got {batching!r}")
+        if batching == "length_buckets" and (lengths is None or len(lengths) != num_samples):
+            raise ValueError(f"train.batching: length_buckets needs one length per sample ({num_samples})")
+        self.n, self.seed, self.batching = num_samples, seed, batching
+        self.lengths, self.mb, self.window = lengths, micro_batch, max(window // micro_batch, 1) * micro_batch
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}
+            perm = torch.randperm(self.n, generator=g).tolist()
+            self._perms = {epoch: perm if self.batching == "random" else self._bucketed(perm, epoch)}
         return self._perms[epoch]
 
+    def _bucketed(self, perm: list[int], epoch: int) -> list[int]:
+        """The epoch's permutation with each window sorted by length and its micro-batches shuffled.
+
+        Micro-batches are cut on the global grid (positions k * micro_batch): when the epoch does not
+        start on it, its first `head` samples complete a micro-batch of the previous epoch and stay
+        as drawn, and a last partial micro-batch stays last (it continues into the next epoch).
+        """
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch + 7_919 * 1_000_003)
+        head = (-epoch * self.n) % self.mb
+        out = perm[:head]
+        for w0 in range(head, self.n, self.window):
+            window = sorted(perm[w0: w0 + self.window], key=lambda i: self.lengths[i])  # stable: ties as drawn
+            full = len(window) // self.mb
+            for k in torch.randperm(full, generator=g).tolist():
+                out += window[k * self.mb: (k + 1) * self.mb]
+            out += window[full * self.mb:]
+        return out
+
     def indices(self, step: int, micro: int, micro_batch: int, accum: int, world: int, rank: int) -> list[int]:
+        if self.batching == "length_buckets" and micro_batch != self.mb:
+            raise ValueError(f"SampleOrder: built for micro-batches of {self.mb}, asked for {micro_batch}")
         start = ((step * accum + micro) * world + rank) * micro_batch  # position in the global stream
         return [self._perm(c // self.n)[c % self.n] for c in range(start, start + micro_batch)]
+
+
+def padding_ratio(batches: list[list[int]], lengths: list[int]) -> float:
+    """Padded over real tokens of right-padded micro-batches (lists of sample indices): 1.0 = no padding."""
+    real = sum(lengths[i] for b in batches for i in b)
+    return sum(len(b) * max(lengths[i] for i in b) for b in batches) / max(real, 1)
 
 
 def collate(samples: list[dict], pad_id: int) -> dict[str, Tensor]:
@@ -179,3 +222,32 @@ class FeatureStore:
             return out
         final = pad("final")
         return (final if self.same else pad("hidden")), final, pad("top1")
+
+
+def sample_order(train, samples: list[dict], micro_batch: int, global_batch: int) -> SampleOrder:
+    """The recipe's sample order (train: TrainConfig): train.batching over the training samples."""
+    return SampleOrder(len(samples), train.seed, train.batching, [len(s["input_ids"]) for s in samples],
+                       micro_batch, train.bucket_window * global_batch)
+
+
+class _TargetOnCpu:
+    """A target as a DataLoader worker sees it: every attribute, but device CPU (workers never run it)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, target: Target):
+        self._target = target
+
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
+
+
+def read_stored(store: FeatureStore, samples: list[dict], pad_id: int) -> TargetFeatures | None:
+    """What store.batch(samples, pad_id) returns, on the CPU, when every sample's features are on disk
+    already (so it only reads them); None when one is missing or features are online (the main
+    process computes those). What a DataLoader worker calls (train/loader.py)."""
+    if store.dir is None or not all((store.dir / f"{sample_key(s)}.safetensors").is_file() for s in samples):
+        return None
+    view = copy.copy(store)
+    view.target = _TargetOnCpu(store.target)
+    return view.batch(samples, pad_id)

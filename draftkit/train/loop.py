@@ -21,9 +21,10 @@ from draftkit.heads import DraftHead, build_head
 from draftkit.heads.vocab import token_counts
 from draftkit.target import Target, load_target
 from draftkit.train import checkpoint
-from draftkit.train.data import SampleOrder, feature_store
+from draftkit.train.data import feature_store, sample_order
 from draftkit.train.deepspeed_config import build_deepspeed_config, head_autocast, make_scheduler
 from draftkit.train.distributed import Dist, any_true, barrier, init_distributed, mean_across, sum_across
+from draftkit.train.loader import MicroBatches, MicroBatchStream, to_device
 
 log = logging.getLogger("draftkit.train")
 FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_STEP"  # SIGKILL this process after that step (tests only)
@@ -112,7 +113,7 @@ class Trainer:
             self.head.set_draft_vocab(counts=token_counts([s["input_ids"] for s in self.data.train],
                                                           self.target.vocab_size,
                                                           masks=[s["loss_mask"] for s in self.data.train]))
-        self.order = SampleOrder(len(self.data.train), r.train.seed)
+        self.order = sample_order(r.train, self.data.train, self.micro, self.global_batch)
         self.features = feature_store(r, self.target, self.head.feature_layers)
         disk = self.features.check_disk(sum(len(s["input_ids"]) for s in self.data.train + self.data.holdout_samples))
         if self.main:
@@ -150,8 +151,26 @@ class Trainer:
 
     # ---- the loop ----
     def micro_batch(self, step: int, micro: int):
-        idx = self.order.indices(step, micro, self.micro, self.accum, self.dist.world_size, self.dist.rank)
-        return self.features.batch([self.data.train[i] for i in idx], self.pad_id)
+        """This rank's features for (step, micro): read by a loader worker ahead of time, or here
+        (synchronously, and whatever a worker could not read: online, or not on disk yet)."""
+        item = self.batches().get(step, micro)
+        if item["features"] is not None:
+            return to_device(item["features"], self.target.device)
+        return self.features.batch([self.data.train[i] for i in item["indices"]], self.pad_id)
+
+    def batches(self) -> MicroBatchStream:
+        """The micro-batch stream (train.loader_workers, train.prefetch), made on first use."""
+        if getattr(self, "_stream", None) is None:
+            r = self.recipe.train
+            workers = r.loader_workers
+            if workers and self.features.dir is None:
+                log.warning("train.loader_workers: %d ignored: online features run the target in the main "
+                            "process (set train.features: offline to read features in workers)", workers)
+                workers = 0
+            data = MicroBatches(self.order, self.data.train, self.features, self.pad_id, self.micro, self.accum,
+                                self.dist.world_size, self.dist.rank, read=workers > 0)
+            self._stream = MicroBatchStream(data, r.max_steps, workers, r.prefetch)
+        return self._stream
 
     def train_step(self, step: int) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -178,6 +197,7 @@ class Trainer:
         samples = self.data.holdout_samples
         if not samples:
             return {}
+        samples = sorted(samples, key=lambda s: len(s["input_ids"]))  # similar lengths together: less padding
         chunks = [samples[i: i + self.micro] for i in range(0, len(samples), self.micro)]
         sums = torch.zeros(3, dtype=torch.float64, device=self.dist.device)  # loss x w, acc x w, w
         self.head.eval()
