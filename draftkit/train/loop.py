@@ -21,7 +21,7 @@ from draftkit.heads import DraftHead, build_head
 from draftkit.heads.vocab import token_counts
 from draftkit.target import Target, load_target
 from draftkit.train import checkpoint
-from draftkit.train.data import feature_store, sample_order
+from draftkit.train.data import feature_store, padding_ratio, sample_order
 from draftkit.train.deepspeed_config import build_deepspeed_config, head_autocast, make_scheduler
 from draftkit.train.distributed import Dist, any_true, barrier, init_distributed, mean_across, sum_across
 from draftkit.train.loader import MicroBatches, MicroBatchStream, to_device
@@ -170,7 +170,16 @@ class Trainer:
             data = MicroBatches(self.order, self.data.train, self.features, self.pad_id, self.micro, self.accum,
                                 self.dist.world_size, self.dist.rank, read=workers > 0)
             self._stream = MicroBatchStream(data, r.max_steps, workers, r.prefetch)
+            if self.main:
+                log.info("batches: %s, padded/real tokens %.3f over an epoch; %s", r.batching, self.epoch_padding(),
+                         f"{workers} loader workers, prefetch {r.prefetch}" if workers else "read in the main process")
         return self._stream
+
+    def epoch_padding(self) -> float:
+        """Padded over real tokens of the micro-batches of the first epoch (all ranks)."""
+        lengths = [len(s["input_ids"]) for s in self.data.train]
+        epoch = [self.order.indices(k, 0, self.micro, 1, 1, 0) for k in range(max(len(lengths) // self.micro, 1))]
+        return padding_ratio(epoch, lengths)
 
     def train_step(self, step: int) -> dict[str, float]:
         totals: dict[str, float] = {}
