@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--batching", action="store_true", help="compare train.batching x train.loader_workers")
     ap.add_argument("--samples", default=None, help="--batching: a prepared directory or a prompt file")
     ap.add_argument("--max-samples", type=int, default=None, help="--batching: use the first N samples")
+    ap.add_argument("--max-length", type=int, default=2048, help="--batching: a prompt file's samples cut here")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="--batching: train.loader_workers")
     ap.add_argument("--steps", type=int, default=20, help="--batching: micro steps per setting and round")
     ap.add_argument("--prefetch", type=int, default=2, help="--batching: train.prefetch")
@@ -164,27 +165,57 @@ def read_samples(path: str, target, limit: int | None, max_length: int) -> list[
     return out
 
 
+def offline_features(args, target, layers: tuple[int, ...], samples: list[dict], pad: int) -> FeatureStore:
+    """The samples' features computed once, up front, into --features-dir (default: a temp dir)."""
+    feat_dir = Path(args.features_dir or tempfile.mkdtemp(prefix="draftkit-bench-features-"))
+    store = FeatureStore(target, layers, feat_dir, args.storage)
+    lengths = [len(s["input_ids"]) for s in samples]
+    by_length = sorted(range(len(samples)), key=lengths.__getitem__)
+    t0 = time.perf_counter()
+    for i in range(0, len(samples), 8):  # similar lengths together
+        store.ensure([samples[j] for j in by_length[i: i + 8]], pad)
+    print(f"{len(samples)} samples, {sum(lengths)} tokens (median {statistics.median(lengths):.0f}, "
+          f"max {max(lengths)}): features in {time.perf_counter() - t0:.0f} s -> {feat_dir}")
+    return store
+
+
+def train_round(run: dict, r: int, args, samples: list[dict], store: FeatureStore, pad: int, autocast) -> None:
+    """Micro steps r * steps ... (r + 1) * steps of one setting, from a fresh loader (as a run starts
+    one); the first step (the workers' start) and round 0 are not counted."""
+    data = MicroBatches(run["order"], samples, store, pad, args.batch, 1, 1, 0, read=run["workers"] > 0)
+    stream = MicroBatchStream(data, (args.rounds + 1) * args.steps, run["workers"], args.prefetch)
+    for k in range(r * args.steps, (r + 1) * args.steps):
+        t0 = time.perf_counter()
+        item = stream.get(k, 0)
+        feats = item["features"]  # the Trainer's micro_batch: read by a worker, or here
+        feats = to_device(feats, store.target.device) if feats is not None else store.batch(
+            [samples[i] for i in item["indices"]], pad)
+        out = TrainWrapper(run["head"], autocast)(feats)
+        run["opt"].zero_grad(set_to_none=True)
+        out["loss"].backward()
+        run["opt"].step()
+        if r and k > r * args.steps:
+            run["time"] += time.perf_counter() - t0
+            run["real"] += int(feats.attention_mask.sum())
+            run["padded"] += feats.attention_mask.numel()
+            run["supervised"] += float(out["tokens"])
+            run["steps"] += 1
+
+
 def batching_main(args, target) -> None:
     """random vs length_buckets x loader workers, each setting training its own copy of the head on
     the same offline features; settings interleaved round by round, a fresh loader each round (its
     first micro step, the workers' start, is not timed)."""
     if not args.samples:
         raise SystemExit("--batching needs --samples (a prepared directory or a prompt file)")
-    samples = read_samples(args.samples, target, args.max_samples, args.seq)
+    samples = read_samples(args.samples, target, args.max_samples, args.max_length)
     lengths = [len(s["input_ids"]) for s in samples]
     settings, autocast = parse_head(args.heads[0])
     head = build_head(settings, target)
     if getattr(head.config, "draft_vocab_size", None):
         head.set_draft_vocab(tokens=[t for s in samples for t in s["input_ids"]] + list(range(target.vocab_size)))
-    feat_dir = Path(args.features_dir or tempfile.mkdtemp(prefix="draftkit-bench-features-"))
-    store = FeatureStore(target, head.feature_layers, feat_dir, args.storage)
     pad = (target.tokenizer.pad_token_id if target.tokenizer is not None else None) or 0
-    t0 = time.perf_counter()
-    by_length = sorted(range(len(samples)), key=lengths.__getitem__)
-    for i in range(0, len(samples), 8):  # features once, up front (similar lengths together)
-        store.ensure([samples[j] for j in by_length[i: i + 8]], pad)
-    print(f"{len(samples)} samples, {sum(lengths)} tokens (median {statistics.median(lengths):.0f}, "
-          f"max {max(lengths)}): features in {time.perf_counter() - t0:.0f} s -> {feat_dir}")
+    store = offline_features(args, target, head.feature_layers, samples, pad)
     runs = {}
     for batching in ("random", "length_buckets"):
         order = SampleOrder(len(samples), 0, batching, lengths, args.batch, args.window * args.batch)
@@ -193,27 +224,9 @@ def batching_main(args, target) -> None:
             runs[(batching, workers)] = {"order": order, "workers": workers, "head": h,
                                          "opt": torch.optim.AdamW(h.parameters(), lr=1e-4),
                                          "time": 0.0, "real": 0, "padded": 0, "supervised": 0.0, "steps": 0}
-    end = (args.rounds + 1) * args.steps
     for r in range(args.rounds + 1):  # round 0 warms up
         for run in runs.values():
-            data = MicroBatches(run["order"], samples, store, pad, args.batch, 1, 1, 0, read=run["workers"] > 0)
-            stream = MicroBatchStream(data, end, run["workers"], args.prefetch)
-            for k in range(r * args.steps, (r + 1) * args.steps):
-                t0 = time.perf_counter()
-                item = stream.get(k, 0)
-                feats = item["features"]
-                feats = to_device(feats, target.device) if feats is not None else store.batch(
-                    [samples[i] for i in item["indices"]], pad)
-                out = TrainWrapper(run["head"], autocast)(feats)
-                run["opt"].zero_grad(set_to_none=True)
-                out["loss"].backward()
-                run["opt"].step()
-                if r and k > r * args.steps:
-                    run["time"] += time.perf_counter() - t0
-                    run["real"] += int(feats.attention_mask.sum())
-                    run["padded"] += feats.attention_mask.numel()
-                    run["supervised"] += float(out["tokens"])
-                    run["steps"] += 1
+            train_round(run, r, args, samples, store, pad, autocast)
     rows = []
     print(f"target {target.name} ({args.dtype}), head {args.heads[0]!r}, micro-batch {args.batch}, "
           f"window {args.window} batches, storage {args.storage}, threads {torch.get_num_threads()}")

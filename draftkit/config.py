@@ -173,6 +173,8 @@ class Recipe:
             d.pop(key, None)
         d.get("train", {}).pop("max_steps", None)
         d.get("train", {}).pop("resume", None)
+        for key in ("loader_workers", "prefetch"):  # how batches are read, not which: a resume may change them
+            d.get("train", {}).pop(key, None)
         d.pop("logging", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -84,6 +84,15 @@ def test_padding_ratio_counts_padded_over_real_tokens():
     assert padding_ratio([[0, 1], [2]], [3, 1, 5]) == (2 * 3 + 1 * 5) / 9
 
 
+def test_recipe_fingerprint_counts_batching_but_not_how_batches_are_read():
+    from draftkit.config import load_recipe
+
+    base = load_recipe(None).fingerprint()
+    assert load_recipe(None, ["train.loader_workers=2", "train.prefetch=4"]).fingerprint() == base
+    assert load_recipe(None, ["train.batching=length_buckets"]).fingerprint() != base
+    assert load_recipe(None, ["train.bucket_window=8"]).fingerprint() != base
+
+
 def test_bad_batching_settings_are_named():
     with pytest.raises(ValueError, match="train.batching"):
         SampleOrder(4, 0, "sorted")
@@ -134,16 +143,17 @@ def test_training_with_loader_workers_and_buckets_resumes_to_the_same_weights(ti
               "train.bucket_window=2"]
     sync = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "sync", cache, *common))
     assert sync.returncode == 0, sync.stderr[-3000:]
-    workers = common + ["train.loader_workers=2", "train.prefetch=3"]
-    killed = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "work", cache, *workers),
-                        env_extra={"DRAFTKIT_FAULT_KILL_AFTER_STEP": "3"})
+    killed = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "work", cache, *common,
+                                    "train.loader_workers=1"), env_extra={"DRAFTKIT_FAULT_KILL_AFTER_STEP": "3"})
     assert killed.returncode == -9
+    workers = common + ["train.loader_workers=2", "train.prefetch=3"]  # how batches are read may change on resume
     resumed = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "work", cache, *workers))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 2" in resumed.stderr
     a, b = head_weights(tmp_path / "sync"), head_weights(tmp_path / "work")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
-    for run in (sync, resumed):  # the runs did bucket (and the second read in workers)
+    for run in (sync, killed, resumed):  # the runs did bucket (and the last two read in workers)
         assert "batches: length_buckets, padded/real tokens" in run.stderr
-    assert "2 loader workers, prefetch 3" in resumed.stderr
+    assert "read by loader_workers 1, prefetch 2" in killed.stderr
+    assert "read by loader_workers 2, prefetch 3" in resumed.stderr

@@ -171,8 +171,8 @@ class Trainer:
                                 self.dist.world_size, self.dist.rank, read=workers > 0)
             self._stream = MicroBatchStream(data, r.max_steps, workers, r.prefetch)
             if self.main:
-                log.info("batches: %s, padded/real tokens %.3f over an epoch; %s", r.batching, self.epoch_padding(),
-                         f"{workers} loader workers, prefetch {r.prefetch}" if workers else "read in the main process")
+                how = f"read by loader_workers {workers}, prefetch {r.prefetch}" if workers else "read in the main process"
+                log.info("batches: %s, padded/real tokens %.3f over an epoch; %s", r.batching, self.epoch_padding(), how)
         return self._stream
 
     def epoch_padding(self) -> float:
