@@ -134,8 +134,9 @@ class TrainConfig:
     # which samples share a micro-batch from epoch to epoch.
     bucket_window: int = 64
     # DataLoader worker processes that read offline features (and collate) ahead of the head's step
-    # (train/loader.py); 0 = in the main process, synchronously. With online features the workers
-    # only collate token ids: the target's forward stays in the main process.
+    # (train/loader.py); 0 = in the main process, synchronously. Features not on disk yet are
+    # computed by the target in the main process; with train.features: online (a target forward
+    # each step) the setting is ignored, and the log says so.
     loader_workers: int = 0
     # Micro-batches each worker keeps ready (DataLoader prefetch_factor; used when loader_workers > 0).
     prefetch: int = 2

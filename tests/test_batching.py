@@ -135,6 +135,27 @@ def test_loader_workers_yield_exactly_the_synchronous_batches(tmp_path):
     assert missing and store.computed == 20 + len(missing)  # computed in the main process (store.batch), once
 
 
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_trainer_reads_in_workers_only_offline_features(features, tmp_path, caplog):
+    """Online features are a target forward: it stays in the main process, and the log says so."""
+    from types import SimpleNamespace
+
+    from draftkit.train import loop
+
+    target = make_tiny_target()
+    samples = [{"input_ids": [3] * n, "loss_mask": [1] * n} for n in (4, 9, 5, 7)]
+    me = SimpleNamespace(recipe=SimpleNamespace(train=TrainConfig(loader_workers=2, prefetch=3, max_steps=2)),
+                         features=FeatureStore(target, (-1,), tmp_path if features == "offline" else None),
+                         order=SampleOrder(4, 0), data=SimpleNamespace(train=samples), pad_id=0, micro=2, accum=1,
+                         dist=SimpleNamespace(world_size=1, rank=0), main=True)
+    me.epoch_padding = lambda: loop.Trainer.epoch_padding(me)
+    with caplog.at_level("INFO", logger="draftkit.train"):
+        stream = loop.Trainer.batches(me)
+    assert (stream.workers, stream.data.read) == ((0, False) if features == "online" else (2, True))
+    assert ("loader_workers: 2 ignored: online features" in caplog.text) == (features == "online")
+    assert "batches: random, padded/real tokens" in caplog.text
+
+
 @pytest.mark.integration
 def test_training_with_loader_workers_and_buckets_resumes_to_the_same_weights(tiny_model_dir, prompt_file,  # noqa: F811
                                                                              tmp_path):

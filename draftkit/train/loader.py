@@ -8,15 +8,12 @@ features, are computed by the target in the main process (Trainer.micro_batch).
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from draftkit.target import TargetFeatures
 from draftkit.train.data import FeatureStore, SampleOrder, read_stored
-
-log = logging.getLogger("draftkit.train")
 
 
 class MicroBatches(Dataset):
