@@ -220,7 +220,9 @@ def prepare_features(recipe, target, dist, directory: Path, batch_size: int = 8)
         raise ValueError("train.features: online recomputes features every step; stage 2 needs offline")
     data = load_prepared(directory)
     samples = data.train + data.holdout_samples
-    store = feature_store(recipe, target, build_head(recipe.head, target).feature_layers)
+    head = build_head(recipe.head, target)
+    head.check_target_topk(recipe.train.target_topk)
+    store = feature_store(recipe, target, head.feature_layers)
     text = store.check_disk(sum(len(s["input_ids"]) for s in samples))
     mine = sorted(samples[dist.rank::dist.world_size], key=lambda s: len(s["input_ids"]))  # little padding
     pad = target.tokenizer.pad_token_id if target.tokenizer is not None else None

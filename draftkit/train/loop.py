@@ -91,6 +91,7 @@ class Trainer:
         self.target = load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype,
                                   trust_remote_code=t.trust_remote_code, device=self.dist.device)
         self.head = build_head(recipe.head, self.target).to(self.dist.device)
+        self.head.check_target_topk(recipe.train.target_topk)
         self.ds_config = build_deepspeed_config(recipe, self.dist.world_size, self.dist.device.type == "cuda")
         self.micro = self.ds_config["train_micro_batch_size_per_gpu"]
         self.accum = self.ds_config["gradient_accumulation_steps"]
