@@ -295,8 +295,14 @@ class Target:
 
 
 def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "bfloat16",
-                trust_remote_code: bool = False, device: str | torch.device = "cpu") -> Target:
-    """Load a frozen target from a local dir, a .gguf file, a hub id, or the embedded default."""
+                trust_remote_code: bool = False, device: str | torch.device = "cpu",
+                transformer: bool = True) -> Target:
+    """Load a frozen target from a local dir, a .gguf file, a hub id, or the embedded default.
+
+    transformer=False loads a shell: config, tokenizer, embeddings, final norm and lm_head, no
+    decoder layer (their tensors are never read), for training on stored features. Its config
+    keeps the real layer count; Target.features refuses to run on it.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -330,12 +336,48 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
     try:
         tok_kwargs = {k: v for k, v in kwargs.items() if k in ("gguf_file", "trust_remote_code")}
         tokenizer = AutoTokenizer.from_pretrained(src, **tok_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+        config = None
+        if transformer or "gguf_file" in kwargs:  # a GGUF inside a directory dequantizes whole anyway
+            model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+        else:
+            model, config = _load_shell(src, kwargs)
+    except TargetError:
+        raise
     except (OSError, ValueError) as e:
         raise TargetError(f"target.path: cannot load a causal LM from {src}: {e}") from e
     if "device_map" not in kwargs:
         model.to(device)
     use_gqa_attention(model)  # CPU: no KV-cache copy per attention call (draftkit/attention.py)
-    target = Target(model, tokenizer, name=name)
+    target = Target(model, tokenizer, name=name, config=config)
     target.load_seconds = time.time() - t0
     return target
+
+
+def _load_shell(src, kwargs: dict):
+    """The causal LM of `src` built with 0 decoder layers, so only the embeddings, final norm and
+    lm_head are read from its safetensors (memory-mapped; the layers' tensors are skipped), and
+    its real config. Works for any config whose layer count is `num_hidden_layers` (per-layer
+    lists such as `layer_types` are emptied with it); refused when a needed tensor is missing."""
+    import copy
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src, trust_remote_code=kwargs.get("trust_remote_code", False))
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise TargetError(f"target.path: {src}: config has no num_hidden_layers; load the full target")
+    shell = copy.deepcopy(config)
+    shell.num_hidden_layers = 0
+    if isinstance(getattr(shell, "layer_types", None), list):
+        shell.layer_types = []
+    quiet = logging.getLogger("transformers")  # it would list every skipped layer tensor and TP rule
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(src, config=shell, output_loading_info=True, **kwargs)
+    finally:
+        quiet.setLevel(level)
+    if info.get("missing_keys"):  # would be random: never train against that
+        raise TargetError(f"target.path: {src}: loading embeddings, final norm and lm_head without the "
+                          f"transformer, tensors are missing: {sorted(info['missing_keys'])[:5]}")
+    return model, config

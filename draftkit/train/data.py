@@ -130,10 +130,16 @@ class FeatureStore:
         return TargetFeatures(b["input_ids"].to(dev), b["attention_mask"].to(dev), to("hidden"), to("final"),
                               b["loss_mask"].to(dev), top1.long().to(dev), to("topk_ids"), to("topk_logp"))
 
+    def missing(self, samples: list[dict]) -> list[int]:
+        """Indices of the samples whose features are not stored (all of them online)."""
+        if self.dir is None:
+            return list(range(len(samples)))
+        return [i for i, s in enumerate(samples) if not (self.dir / f"{sample_key(s)}.safetensors").is_file()]
+
     def ensure(self, samples: list[dict], pad_id: int) -> int:
         """Compute and store the features of the samples not on disk yet; returns how many."""
         paths = [self.dir / f"{sample_key(s)}.safetensors" for s in samples]
-        missing = [i for i, p in enumerate(paths) if not p.is_file()]
+        missing = self.missing(samples)
         if missing and not self.target.has_transformer:
             raise TargetError(f"offline features of {len(missing)} samples are missing from {self.dir} (first: "
                               f"{paths[missing[0]].name}), and target {self.target.name} was loaded without its "
