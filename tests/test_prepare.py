@@ -291,3 +291,23 @@ def test_training_on_stored_features_without_the_transformer_gives_the_full_targ
     logs = [[json.loads(line) for line in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
             for run in ("shell", "full")]
     assert [e["loss"] for e in logs[0]] == [e["loss"] for e in logs[1]] and len(logs[0]) == 2
+
+
+def test_prepare_throughput_benchmark_measures_each_layout_from_its_files(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "bench.json"
+    res = launch([sys.executable, "benchmarks/prepare_throughput.py", "--recipe", "recipes/quick.yaml",
+                  f"target.path={tiny_model_dir}", "target.dtype=float32", "head.type=eagle3",
+                  "head.feature_layers=[1,2,3]", "head.draft_vocab_size=64", "--num-samples", "4", "--topk", "4",
+                  "--prompts", str(prompt_file), "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = {r["layout"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(results) == ["bf16+final", "fp8+final", "bf16+top4", "fp8+top4"]
+    want = {"bf16+final": 4 * 32 * 2 + 4, "fp8+final": 4 * 32 + 4 * 4 + 4, "bf16+top4": 3 * 32 * 2 + 4 * 6,
+            "fp8+top4": 3 * 32 + 3 * 4 + 4 * 6}
+    for name, r in results.items():
+        assert r["bytes_per_token_layout"] == want[name] and r["files"] == 4
+        assert 0 < r["bytes"] - want[name] * r["tokens"] < 600 * r["files"]  # + each file's header
+        assert r["ratio"] == round(results["bf16+final"]["bytes_per_token"] / r["bytes_per_token"], 2)
+    assert results["fp8+top4"]["bytes_per_token_4096"] == 3 * 4096 + 3 * 4 + 4 * 6
+    assert results["bf16+final"]["bytes_per_token_4096"] == 32772 and 0 < results["fp8+top4"]["topk_mass"] <= 1
+    assert "fp8+top4" in res.stdout and "B/tok H=4096" in res.stdout
