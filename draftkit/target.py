@@ -242,7 +242,7 @@ class Target:
         """False for a shell loaded with load_target(transformer=False): embeddings, final norm and
         lm_head only, enough for heads and offline training, not for features or generation."""
         layers = getattr(self.decoder, "layers", None)
-        return layers is None or len(layers) == self.num_layers
+        return layers is None or len(layers) > 0
 
     # ---- features ----
     @torch.no_grad()
