@@ -36,7 +36,9 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ATTENTION = {"sdpa": lambda: "sdpa", "gqa": register_gqa_attention}
 
 
-def load_bench_prompts(model, tok, n: int):
+def load_bench_prompts(model, tok, n: int, path: str | None = None):
+    if path:  # the recipe's own prompts, e.g. the Magpie prompts a training run cached
+        return load_prompts([PromptSource(path)], limit=n, seed=0), path
     files = sorted((ROOT.parent / "shared" / "data" / "train").glob("*.jsonl"))
     if files:
         return load_prompts([PromptSource(str(f)) for f in files], limit=n, seed=0), "shared/data/train"
@@ -78,6 +80,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8, 16, 32])
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least")
+    ap.add_argument("--prompts", help="prompt file to answer (JSON/JSONL, any shape draftkit reads; default: "
+                    "../shared/data/train/*.jsonl, else Magpie prompts the target writes)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION),
                     help="sdpa: transformers' own; gqa: draftkit's CPU attention without KV-cache copies")
@@ -96,7 +100,7 @@ def main() -> None:
         target = load_target(args.model, dtype=DTYPES[name], device=args.device)
         model, tok = target.model, target.tokenizer
         print(f"[{name}] target loaded in {time.perf_counter() - t:.1f}s", flush=True)
-        prompts, origin = load_bench_prompts(model, tok, args.num_prompts)
+        prompts, origin = load_bench_prompts(model, tok, args.num_prompts, args.prompts)
         for bs in args.batch_sizes:
             n = min(len(prompts), max(bs, args.min_prompts))
             for attention, scheduler in ((a, s) for a in args.attention for s in args.schedulers):

@@ -106,6 +106,14 @@ class TrainConfig:
     # "float8" (e4m3 with an fp32 scale per token and layer: half of bf16's bytes, read back in the
     # target's dtype). The trainer prints bytes/token x tokens and refuses when the disk lacks room.
     feature_storage: Literal["target", "bfloat16", "float8"] = "target"
+    # The target's teacher distribution in the features: 0 = its final hidden state (H values per
+    # token; the loss rebuilds the full logits with the lm_head); k > 0 = its k most likely next
+    # tokens, ids (int32) and log-probabilities over the full vocabulary (float16), 6k bytes per
+    # token, from the same forward, online too. The loss then distills the top-k renormalised (over
+    # top-k ∩ draft vocabulary). Only for families that use that state solely as the label
+    # (EAGLE-3); EAGLE, Medusa and MTP read it as their input and refuse k > 0. With EAGLE-3 on a
+    # 4096-wide target, float8 + k = 16 stores 12 KiB per token instead of bf16's 32 KiB.
+    target_topk: int = 0
     # Precision of the head's forward and backward matmuls (torch.autocast); weights, gradients and
     # AdamW stay fp32. "auto" = bfloat16 where the device multiplies bf16 natively (a CUDA GPU with
     # bf16, a CPU with AMX or AVX512-BF16: several times faster than fp32 there), else float32.

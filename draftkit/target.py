@@ -89,11 +89,19 @@ class TargetFeatures:
     input_ids: Tensor  # (B, T) token ids
     attention_mask: Tensor  # (B, T) 1 on real tokens
     hidden: Tensor  # (B, T, len(layers) * H) requested layers, concatenated in request order
-    final_hidden: Tensor  # (B, T, H) output of the final norm (what the lm_head reads)
+    # (B, T, H) output of the final norm (what the lm_head reads); None when the target's top-k
+    # log-probabilities stand in for it (offline features with train.target_topk > 0).
+    final_hidden: Tensor | None
     loss_mask: Tensor | None = None  # (B, T) 1 on tokens the loss covers (assistant tokens)
     # (B, T) the target's greedy next token at each position (argmax of its logits), when computed
     # with the features: lets draft-vocabulary losses skip the full-vocabulary lm_head every step.
+    # With top-k it is topk_ids[..., 0].
     top1: Tensor | None = None
+    # The target's k most likely next tokens (B, T, k) int32, most likely first, and their
+    # log-probabilities over the full vocabulary (B, T, k) float16 (train.target_topk): the teacher
+    # of heads that read the final hidden state only as the label (EAGLE-3).
+    topk_ids: Tensor | None = None
+    topk_logp: Tensor | None = None
 
 
 def cache_root() -> Path:
@@ -169,11 +177,13 @@ def fingerprint_tensors(*tensors: Tensor) -> str:
 class Target:
     """A frozen causal LM plus the modules heads may share (embedding, final norm, lm_head)."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, name: str | None = None):
+    def __init__(self, model: nn.Module, tokenizer=None, name: str | None = None, config=None):
+        """config: the target's own config when `model` was built from a changed one (a shell
+        loaded without its decoder layers, see load_target(transformer=False))."""
         model.eval().requires_grad_(False)
         self.model = model
         self.tokenizer = tokenizer
-        self.config = model.config
+        self.config = config if config is not None else model.config
         self.name = name or getattr(model.config, "name_or_path", None) or type(model).__name__
         self.decoder = model.get_decoder()
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
@@ -227,12 +237,26 @@ class Target:
                     f"{where}: layer {i} does not exist in target {self.name} "
                     f"({self.num_layers} layers: use 0..{self.num_layers - 1}, or {FINAL} for the final norm output)")
 
+    @property
+    def has_transformer(self) -> bool:
+        """False for a shell loaded with load_target(transformer=False): embeddings, final norm and
+        lm_head only, enough for heads and offline training, not for features or generation."""
+        layers = getattr(self.decoder, "layers", None)
+        return layers is None or len(layers) > 0
+
     # ---- features ----
     @torch.no_grad()
     def features(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                  layers: tuple[int, ...] = (FINAL,), loss_mask: Tensor | None = None,
-                 top1: bool = False) -> TargetFeatures:
-        """One forward of the decoder: the requested layers and the final hidden (+ top-1 ids)."""
+                 top1: bool = False, topk: int = 0) -> TargetFeatures:
+        """One forward of the decoder: the requested layers and the final hidden (+ top-1 ids, or
+        with topk > 0 the top-k ids and log-probabilities, whose first id is the top-1)."""
+        if not self.has_transformer:
+            raise TargetError(
+                f"target {self.name} was loaded without its transformer (load_target(transformer=False): "
+                f"{len(self.decoder.layers)} of {self.num_layers} decoder layers), so it cannot compute the "
+                f"features of layers {tuple(layers)}; store them first (`draftkit prepare --features`) or "
+                "load the full target")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
@@ -240,8 +264,27 @@ class Target:
         final = out.last_hidden_state  # (B, T, H) after the final norm
         picked = [final if i == FINAL else out.hidden_states[i] for i in layers]
         hidden = picked[0] if len(picked) == 1 else torch.cat(picked, dim=-1)
+        if topk > 0:
+            ids, logp = zip(*(self.topk_logprobs(row, topk) for row in final))
+            ids, logp = torch.stack(ids), torch.stack(logp)  # (B, T, k) int32, float16
+            return TargetFeatures(input_ids, attention_mask, hidden, final, loss_mask, ids[..., 0].long(), ids, logp)
         greedy = torch.stack([self.logits(row).argmax(-1) for row in final]) if top1 else None  # (B, T)
         return TargetFeatures(input_ids, attention_mask, hidden, final, loss_mask, greedy)
+
+    def topk_logprobs(self, final: Tensor, k: int, rows: int | None = None) -> tuple[Tensor, Tensor]:
+        """(T, H) final hidden -> the k most likely ids (T, k) int32, most likely first, and their
+        log-probabilities over the full vocabulary (T, k) float16; `rows` positions at a time
+        (default: 16M logits), so a 128k vocabulary never holds (T, V) fp32 logits at once."""
+        if not 0 < k <= self.vocab_size:
+            raise TargetError(f"train.target_topk: {k} must be in 1..{self.vocab_size} (the vocabulary of {self.name})")
+        rows = rows or max(1, (1 << 24) // self.vocab_size)
+        ids, logp = [], []
+        for a in range(0, final.shape[0], rows):
+            lp = torch.log_softmax(self.logits(final[a:a + rows]).float(), dim=-1)  # (rows, V)
+            v, i = lp.topk(k, dim=-1)  # sorted, most likely first
+            ids.append(i.to(torch.int32))
+            logp.append(v.to(torch.float16))
+        return torch.cat(ids), torch.cat(logp)
 
     def logits(self, final_hidden: Tensor) -> Tensor:
         return self.lm_head(final_hidden.to(self.dtype))
@@ -252,8 +295,14 @@ class Target:
 
 
 def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype: str = "bfloat16",
-                trust_remote_code: bool = False, device: str | torch.device = "cpu") -> Target:
-    """Load a frozen target from a local dir, a .gguf file, a hub id, or the embedded default."""
+                trust_remote_code: bool = False, device: str | torch.device = "cpu",
+                transformer: bool = True) -> Target:
+    """Load a frozen target from a local dir, a .gguf file, a hub id, or the embedded default.
+
+    transformer=False loads a shell: config, tokenizer, embeddings, final norm and lm_head, no
+    decoder layer (their tensors are never read), for training on stored features. Its config
+    keeps the real layer count; Target.features refuses to run on it.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -287,12 +336,48 @@ def load_target(path: str | None = None, *, gguf_file: str | None = None, dtype:
     try:
         tok_kwargs = {k: v for k, v in kwargs.items() if k in ("gguf_file", "trust_remote_code")}
         tokenizer = AutoTokenizer.from_pretrained(src, **tok_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+        config = None
+        if transformer or "gguf_file" in kwargs:  # a GGUF inside a directory dequantizes whole anyway
+            model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+        else:
+            model, config = _load_shell(src, kwargs)
+    except TargetError:
+        raise
     except (OSError, ValueError) as e:
         raise TargetError(f"target.path: cannot load a causal LM from {src}: {e}") from e
     if "device_map" not in kwargs:
         model.to(device)
     use_gqa_attention(model)  # CPU: no KV-cache copy per attention call (draftkit/attention.py)
-    target = Target(model, tokenizer, name=name)
+    target = Target(model, tokenizer, name=name, config=config)
     target.load_seconds = time.time() - t0
     return target
+
+
+def _load_shell(src, kwargs: dict):
+    """The causal LM of `src` built with 0 decoder layers, so only the embeddings, final norm and
+    lm_head are read from its safetensors (memory-mapped; the layers' tensors are skipped), and
+    its real config. Works for any config whose layer count is `num_hidden_layers` (per-layer
+    lists such as `layer_types` are emptied with it); refused when a needed tensor is missing."""
+    import copy
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src, trust_remote_code=kwargs.get("trust_remote_code", False))
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise TargetError(f"target.path: {src}: config has no num_hidden_layers; load the full target")
+    shell = copy.deepcopy(config)
+    shell.num_hidden_layers = 0
+    if isinstance(getattr(shell, "layer_types", None), list):
+        shell.layer_types = []
+    quiet = logging.getLogger("transformers")  # it would list every skipped layer tensor and TP rule
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(src, config=shell, output_loading_info=True, **kwargs)
+    finally:
+        quiet.setLevel(level)
+    if info.get("missing_keys"):  # would be random: never train against that
+        raise TargetError(f"target.path: {src}: loading embeddings, final norm and lm_head without the "
+                          f"transformer, tensors are missing: {sorted(info['missing_keys'])[:5]}")
+    return model, config

@@ -205,3 +205,109 @@ def test_sigkill_of_one_rank_in_training_resumes_to_the_uninterrupted_weights(ti
     a, b = head_weights(tmp_path / "full"), head_weights(tmp_path / "res")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+# ---- offline training without the target's transformer ----
+def test_target_without_its_transformer_has_no_decoder_layers_and_is_the_same_target(tmp_path):
+    from transformers import AutoTokenizer
+
+    from draftkit.heads import build_head
+    from draftkit.target import TargetError, load_target
+    from tests.conftest import ARCHITECTURES, make_arch_target
+    from tests.test_train import FIXTURES
+
+    for arch in ARCHITECTURES:  # llama, qwen2, qwen3, gemma3 (per-layer rope and layer types), mistral
+        d = tmp_path / arch
+        make_arch_target(arch).model.save_pretrained(d)
+        AutoTokenizer.from_pretrained(FIXTURES / "tokenizer").save_pretrained(d)
+        full, shell = load_target(str(d), dtype="float32"), load_target(str(d), dtype="float32", transformer=False)
+        assert len(shell.decoder.layers) == 0 and len(full.decoder.layers) == 4, arch
+        assert shell.num_layers == 4 and not shell.has_transformer and full.has_transformer
+        assert shell.info() == full.info() and shell.config.to_dict() == full.config.to_dict(), arch
+        for name in ("embed_tokens", "lm_head", "final_norm"):
+            assert all(torch.equal(a, b) for a, b in zip(getattr(shell, name).state_dict().values(),
+                                                          getattr(full, name).state_dict().values())), (arch, name)
+        ids = torch.tensor([[5, 6, 7]])
+        assert torch.equal(shell.embed_tokens(ids), full.embed_tokens(ids))  # Gemma's scaled embedding too
+        torch.manual_seed(0)
+        a = build_head({"type": "eagle3", "draft_vocab_size": 64}, shell)
+        torch.manual_seed(0)
+        b = build_head({"type": "eagle3", "draft_vocab_size": 64}, full)
+        assert a.config == b.config and all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
+        with pytest.raises(TargetError, match=r"without its transformer .*0 of 4 decoder layers.*prepare --features"):
+            shell.features(ids, None, (1, 2, 3))
+
+
+def test_the_trainer_needs_the_transformer_until_every_samples_features_are_stored(target, tiny_model_dir,
+                                                                                  prompt_file, tmp_path):
+    from draftkit.distill.prepare import prepare, prepare_features
+    from draftkit.target import TargetError, load_target
+    from draftkit.train.data import feature_store
+    from draftkit.train.loop import unstored_features
+
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path,
+                                                                "head.type=eagle3", "head.feature_layers=[1,2,3]",
+                                                                "train.target_topk=8", "train.eval_every=0"))
+    shell = load_target(str(tiny_model_dir), dtype="float32", transformer=False)
+    assert unstored_features(recipe, shell, 10) == "stage 1 (draftkit prepare) is not finished for this recipe"
+    with pytest.raises(ShardError, match="loaded without its transformer, which cannot generate"):
+        prepare(recipe, shell, ONE, 10)
+    out = prepare(recipe, target, ONE, 10)
+    assert unstored_features(recipe, shell, 10).startswith("features of 12 samples are not stored in ")
+    store = feature_store(recipe, shell, (1, 2, 3))
+    with pytest.raises(TargetError, match=r"offline features of 4 samples are missing .*prepare --features"):
+        store.batch([{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]}] * 4, pad_id=0)
+    said = prepare_features(recipe, target, ONE, out, batch_size=4)
+    assert "(target, top-8 log-probs): " + f"{3 * 32 * 4 + 8 * 6} bytes/token" in said
+    assert unstored_features(recipe, shell, 10) is None
+    eagle = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path,
+                                                               "train.target_topk=8"))
+    from draftkit.heads import HeadError
+
+    with pytest.raises(HeadError, match="train.target_topk: 8 .* the eagle head reads that state as its input"):
+        prepare_features(eagle, target, ONE, out)
+
+
+@pytest.mark.integration
+def test_training_on_stored_features_without_the_transformer_gives_the_full_targets_weights(tiny_model_dir,
+                                                                                          prompt_file, tmp_path):
+    from tests.test_train import head_weights, python_run
+
+    args = recipe_args(tiny_model_dir, prompt_file, tmp_path / "unused", tmp_path / "cache", "data.num_prompts=10",
+                       "head.type=eagle3", "head.feature_layers=[1,2,3]", "head.ttt_steps=2",
+                       "train.target_topk=8", "train.feature_storage=float8", "train.max_steps=4", "train.epochs=2")
+    prep = launch([sys.executable, "draftkit/distill/prepare.py", "recipes/quick.yaml", *args, "--features"])
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    assert "(float8, top-8 log-probs): " + f"{3 * 32 + 3 * 4 + 8 * 6} bytes/token" in prep.stdout
+    shell = python_run([*args, f"output_dir={tmp_path / 'shell'}", "train.eval_every=0"])
+    assert shell.returncode == 0, shell.stderr[-3000:]
+    assert "loaded without its transformer (embeddings, final norm, lm_head; 0 of 4 decoder layers)" in shell.stderr
+    # eval_every beyond max_steps: never evaluates, but asks for the full target
+    full = python_run([*args, f"output_dir={tmp_path / 'full'}", "train.eval_every=100"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert "full target loaded (4 decoder layers): train.eval_every runs the draft-verify loop" in full.stderr
+    a, b = head_weights(tmp_path / "shell"), head_weights(tmp_path / "full")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    logs = [[json.loads(line) for line in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
+            for run in ("shell", "full")]
+    assert [e["loss"] for e in logs[0]] == [e["loss"] for e in logs[1]] and len(logs[0]) == 2
+
+
+def test_prepare_throughput_benchmark_measures_each_layout_from_its_files(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "bench.json"
+    res = launch([sys.executable, "benchmarks/prepare_throughput.py", "--recipe", "recipes/quick.yaml",
+                  f"target.path={tiny_model_dir}", "target.dtype=float32", "head.type=eagle3",
+                  "head.feature_layers=[1,2,3]", "head.draft_vocab_size=64", "--num-samples", "4", "--topk", "4",
+                  "--prompts", str(prompt_file), "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = {r["layout"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(results) == ["bf16+final", "fp8+final", "bf16+top4", "fp8+top4"]
+    want = {"bf16+final": 4 * 32 * 2 + 4, "fp8+final": 4 * 32 + 4 * 4 + 4, "bf16+top4": 3 * 32 * 2 + 4 * 6,
+            "fp8+top4": 3 * 32 + 3 * 4 + 4 * 6}
+    for name, r in results.items():
+        assert r["bytes_per_token_layout"] == want[name] and r["files"] == 4
+        assert 0 < r["bytes"] - want[name] * r["tokens"] < 600 * r["files"]  # + each file's header
+        assert r["ratio"] == round(results["bf16+final"]["bytes_per_token"] / r["bytes_per_token"], 2)
+    assert results["fp8+top4"]["bytes_per_token_4096"] == 3 * 4096 + 3 * 4 + 4 * 6
+    assert results["bf16+final"]["bytes_per_token_4096"] == 32772 and 0 < results["fp8+top4"]["topk_mass"] <= 1
+    assert "fp8+top4" in res.stdout and "B/tok H=4096" in res.stdout

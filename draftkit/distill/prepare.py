@@ -88,14 +88,7 @@ def prepare(recipe, target, dist, num_samples: int) -> Path:
 
     if recipe.data.shard_size < 1:
         raise ShardError(f"data.shard_size: conversations per shard must be >= 1, got {recipe.data.shard_size}")
-    fp = data_fingerprint(recipe, target, num_samples)
-    out = prepared_dir(recipe, fp)
-    manifest = None
-    try:
-        manifest = read_manifest(out)
-        issues = ["no manifest yet"] if manifest is None else problems(out, manifest, fp)
-    except ShardError as e:
-        issues = [str(e)]
+    fp, out, manifest, issues = _status(recipe, target, num_samples)
     if recipe.data.prepared_dir and manifest is not None and manifest.get("fingerprint") not in (None, fp):
         raise ShardError(f"data.prepared_dir: {issues[0]}; remove it or choose another directory")
     barrier()  # every rank has looked before any rank writes
@@ -110,6 +103,26 @@ def prepare(recipe, target, dist, num_samples: int) -> Path:
     return out
 
 
+def _status(recipe, target, num_samples: int) -> tuple[str, Path, dict | None, list[str]]:
+    """(fingerprint, directory, manifest | None, what is unfinished or wrong there: [] = done)."""
+    fp = data_fingerprint(recipe, target, num_samples)
+    out = prepared_dir(recipe, fp)
+    manifest = None
+    try:
+        manifest = read_manifest(out)
+        issues = ["no manifest yet"] if manifest is None else problems(out, manifest, fp)
+    except ShardError as e:
+        issues = [str(e)]
+    return fp, out, manifest, issues
+
+
+def finished(recipe, target, num_samples: int) -> Path | None:
+    """The prepared directory when stage 1 is done and intact for these settings, else None
+    (one process, nothing written: the trainer asks before it loads the target's transformer)."""
+    _, out, _, issues = _status(recipe, target, num_samples)
+    return None if issues else out
+
+
 def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
     from draftkit.distill.regenerate import responses
     from draftkit.distill.samples import prepare_conversations
@@ -117,6 +130,9 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
     from draftkit.target import cache_root
     from draftkit.train.distributed import barrier
 
+    if not target.has_transformer:
+        raise ShardError(f"{out}: stage 1 is unfinished and target {target.name} was loaded without its "
+                         "transformer, which cannot generate responses; load the full target")
     d = recipe.data
     t0 = time.time()
     fmt = resolve_format(d.format, target.tokenizer, target.name)  # chat, or text (completion mode)
@@ -220,7 +236,9 @@ def prepare_features(recipe, target, dist, directory: Path, batch_size: int = 8)
         raise ValueError("train.features: online recomputes features every step; stage 2 needs offline")
     data = load_prepared(directory)
     samples = data.train + data.holdout_samples
-    store = feature_store(recipe, target, build_head(recipe.head, target).feature_layers)
+    head = build_head(recipe.head, target)
+    head.check_target_topk(recipe.train.target_topk)
+    store = feature_store(recipe, target, head.feature_layers)
     text = store.check_disk(sum(len(s["input_ids"]) for s in samples))
     mine = sorted(samples[dist.rank::dist.world_size], key=lambda s: len(s["input_ids"]))  # little padding
     pad = target.tokenizer.pad_token_id if target.tokenizer is not None else None

@@ -101,6 +101,9 @@ class DraftHead(nn.Module):
 
     family: ClassVar[str] = ""
     config_class: ClassVar[type[HeadConfig]] = HeadConfig
+    # Whether the family's loss can take the target's top-k log-probabilities (TargetFeatures.topk_*)
+    # instead of its final hidden state: only where that state is the label and never an input.
+    topk_teacher: ClassVar[bool] = False
 
     def __init__(self, config: HeadConfig, shared: SharedModules | None = None):
         super().__init__()
@@ -132,6 +135,18 @@ class DraftHead(nn.Module):
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.feature_layers_of(self.config)
+
+    def check_target_topk(self, k: int) -> None:
+        """Refuse train.target_topk = k > 0 for a family that reads the final hidden state as input."""
+        if k < 0:
+            raise HeadError(f"train.target_topk: must be >= 0 (0 = store the final hidden state), got {k}")
+        if k and not self.topk_teacher:
+            raise HeadError(
+                f"train.target_topk: {k} stores the target's top-k log-probabilities instead of its final "
+                f"hidden state, but the {self.family} head reads that state as its input feature "
+                f"(feature_layers {list(self.feature_layers)}), not only as its label; set train.target_topk: 0")
+        if k > self.config.vocab_size:
+            raise HeadError(f"train.target_topk: {k} exceeds the target's vocabulary ({self.config.vocab_size})")
 
     @property
     def shared(self) -> SharedModules:

@@ -9,6 +9,9 @@ unrolls `ttt_steps` such steps (step i at position t: token x_{t+1+i}, rotary po
 each query attends to step-0 keys at positions <= t plus the keys of ITS OWN earlier steps at t
 (the "diagonal"): exactly the cache sequential drafting builds after the prefix 0..t.
 Loss = sum_i ttt_decay^i * KL(p_target restricted to the draft vocab, renormalised || p̂_i).
+p_target is the target's full distribution (rebuilt from its final hidden state), or with
+train.target_topk = k its stored top-k restricted to the draft vocabulary and renormalised: the final
+hidden state is only the label here, so k * 6 bytes per token can stand in for its H * 2.
 
 Parameter names follow the EAGLE-3 reference / vLLM llama_eagle3 checkpoints (fc, midlayer.*,
 norm, lm_head, d2t, t2d); vLLM loads `midlayer.` as `layers.0.` and `d2t` as draft_id_to_target_id.
@@ -77,6 +80,7 @@ class Eagle3Layer(DecoderLayer):
 class Eagle3Head(DraftVocab, DraftHead):
     family = "eagle3"
     config_class = Eagle3Config
+    topk_teacher = True  # the final hidden state is only the label: its top-k can replace it
 
     def __init__(self, config: Eagle3Config, shared=None):
         super().__init__(config, shared)
@@ -162,18 +166,23 @@ class Eagle3Head(DraftVocab, DraftHead):
             n = max(T - 2 - i, 0)
             sup = torch.zeros_like(attn[:, :-1])  # (B, T-1)
             sup[:, :n] = lm[:, 2 + i:] & attn[:, :n] & attn[:, 1:1 + n]
-            top1 = features.top1[:, 1 + i: 1 + i + n][sup[:, :n]] if features.top1 is not None else None
-            kl, acc, used = self.step_loss(o[sup], features.final_hidden[:, 1 + i: 1 + i + n][sup[:, :n]], top1)
+            rows = lambda x: None if x is None else x[:, 1 + i: 1 + i + n][sup[:, :n]]  # noqa: E731  (M, ...)
+            if features.topk_ids is not None:  # the target's stored top-k (train.target_topk)
+                teacher = (self.topk_on_draft_vocab, rows(features.topk_ids), rows(features.topk_logp))
+            else:  # the target's logits, rebuilt from its final hidden state
+                teacher = (self.target_on_draft_vocab, rows(features.final_hidden), rows(features.top1))
+            kl, acc, used = self.step_loss(o[sup], *teacher)
             total = total + c.ttt_decay ** i * kl
             metrics[f"kl_{i}"], metrics[f"acc_{i}"] = kl.detach(), acc
             metrics.setdefault("tokens", torch.tensor(float(used)))
         return {"loss": total, "acc": metrics["acc_0"], **metrics}
 
-    def step_loss(self, o: Tensor, target_final: Tensor, top1: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
-        """KL over M supervised positions: o (M, H), target_final (M, H), top1 (M,) | None -> (kl, acc, M)."""
+    def step_loss(self, o: Tensor, teacher, *teacher_in: Tensor | None) -> tuple[Tensor, Tensor, int]:
+        """KL over M supervised positions: o (M, H) -> (kl, acc, M). teacher(*teacher_in) gives the
+        target's (M, N) draft-vocabulary logits and (M,) top-1: target_on_draft_vocab over the final
+        hidden (M, H) and top1 (M,) | None, or topk_on_draft_vocab over the top-k (M, k) ids and log-probs."""
         # rows in chunks over the draft vocabulary (heads/losses.py): no (M, N) tensors kept
-        kl, pred, top = kl_rows(self.logits, self.target_on_draft_vocab, o, target_final, top1,
-                                vocab=self.lm_head.weight.shape[0])
+        kl, pred, top = kl_rows(self.logits, teacher, o, *teacher_in, vocab=self.lm_head.weight.shape[0])
         M = o.shape[0]
         acc = (self.draft_ids[pred] == top).float().sum().detach() / max(M, 1)
         return in_vocab_mean(kl, top, self.t2d), acc, M

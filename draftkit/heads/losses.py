@@ -7,6 +7,9 @@ vocabulary, 4 GB each. Here the rows are cut into chunks of at most LOSS_CHUNK_E
 when there is more than one chunk each runs under activation checkpointing, so the backward
 recomputes one chunk's logits at a time and only (M,) vectors are kept. One chunk (the CPU recipes:
 2048 rows x 8192 draft tokens) runs exactly as before, without recomputation.
+
+A teacher may be sparse (the target's stored top-k, train.target_topk): its logits are -inf off
+its support, and the KL counts only the support, with exact zeros elsewhere (never 0 * -inf).
 """
 from __future__ import annotations
 
@@ -29,12 +32,24 @@ def chunk_rows(vocab: int, budget: int | None = None) -> int:
     return max(1, (budget or LOSS_CHUNK_ELEMENTS) // max(vocab, 1))
 
 
+def sparse_logits(ids: Tensor, logp: Tensor, size: int) -> Tensor:
+    """Top-k entries -> dense (M, size) float32 logits, -inf off them: ids (M, k) long with -1 for
+    an entry to leave out (outside a draft vocabulary), logp (M, k) their log-probabilities."""
+    out = logp.new_full((ids.shape[0], size + 1), float("-inf"), dtype=torch.float32)
+    out.scatter_(1, torch.where(ids < 0, size, ids), logp.float())  # left-out entries land in a spare column
+    return out[:, :size]
+
+
 def _kl_chunk(student: Student, teacher: Teacher, h: Tensor, *teacher_in) -> tuple[Tensor, Tensor, Tensor]:
     logp = F.log_softmax(student(h).float(), dim=-1)  # (C, N)
     with torch.no_grad():
         tgt_logits, top = teacher(*teacher_in)
-        tgt_logp = F.log_softmax(tgt_logits.float(), dim=-1)  # (C, N)
-    kl = (tgt_logp.exp() * (tgt_logp - logp)).sum(-1)  # (C,)
+        support = tgt_logits.float() > float("-inf")  # (C, N) all True for a dense teacher
+        # renormalised over the support; rows with an empty support (no entry in the draft
+        # vocabulary) give NaN here and are zeroed just below, with their gradient
+        tgt_logp = F.log_softmax(tgt_logits.float(), dim=-1).where(support, 0.0)  # (C, N)
+        p = tgt_logp.exp().where(support, 0.0)
+    kl = (p * (tgt_logp - logp)).sum(-1)  # (C,) exact zeros off the support
     return kl, logp.detach().argmax(-1), top
 
 

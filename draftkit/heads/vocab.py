@@ -4,7 +4,7 @@ Shared by EAGLE-1 (optional: head.draft_vocab_size) and EAGLE-3 (always). As the
 reference: draft id j <-> target id j + d2t[j] (d2t (N,) long, OFFSETS, draft ids in ascending
 target id order) and t2d (V,) bool marks the target ids inside the draft vocabulary. Both are
 buffers, saved with the head; the trainer picks them once through head.set_draft_vocab.
-Training restricts the target's distribution to the draft vocabulary and renormalises it;
+Training restricts the target's distribution (or its stored top-k) to the draft vocabulary and renormalises it;
 drafting scatters the N draft logits into a (B, V) tensor filled with -inf before sampling.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from draftkit.heads.base import HeadError
+from draftkit.heads.losses import sparse_logits
 
 
 def token_counts(tokens: Tensor | Iterable, vocab_size: int, masks: Tensor | Iterable | None = None) -> Tensor:
@@ -144,6 +145,17 @@ class DraftVocab:
                 return self.target_rows_logits(target_final), top1
             full = self.target_logits(target_final)  # (M, V)
             return full[:, self.draft_ids], full.argmax(-1)
+
+    def topk_on_draft_vocab(self, topk_ids: Tensor, topk_logp: Tensor) -> tuple[Tensor, Tensor]:
+        """The target's stored top-k as logits over the draft vocab (M, N), -inf off top-k ∩ draft
+        vocab (the KL renormalises over that), and its top-1, the first id (M,).
+
+        topk_ids (M, k) target ids, most likely first; topk_logp (M, k) their log-probabilities.
+        """
+        ids = topk_ids.long()
+        draft_of = torch.cumsum(self.t2d.long(), 0) - 1  # (V,) draft id of each target id ...
+        draft_of = draft_of.where(self.t2d, -1)  # ... -1 outside the draft vocabulary
+        return sparse_logits(draft_of[ids], topk_logp, self.d2t.shape[0]), ids[:, 0]
 
     def to_target_logits(self, logits: Tensor) -> Tensor:
         """(..., N) draft logits -> (..., V) target logits, -inf off the draft vocabulary."""

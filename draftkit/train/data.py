@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from draftkit.target import FINAL, Target, TargetFeatures
+from draftkit.target import FINAL, Target, TargetError, TargetFeatures
 
 
 class SampleOrder:
@@ -131,7 +131,7 @@ def feature_store(recipe, target: Target, layers: tuple[int, ...]) -> "FeatureSt
     r = recipe
     directory = (Path(r.data.cache_dir) if r.data.cache_dir else cache_root()) / "features"
     return FeatureStore(target, layers, directory if r.train.features == "offline" else None,
-                        r.train.feature_storage)
+                        r.train.feature_storage, r.train.target_topk)
 
 
 class FeatureStore:
@@ -139,15 +139,21 @@ class FeatureStore:
 
     storage (train.feature_storage): "target" keeps the target's dtype, "bfloat16" casts,
     "float8" stores e4m3 with one fp32 scale per token (a quarter of fp32's bytes, half of bf16's).
+    topk (train.target_topk): 0 stores the final hidden state (the teacher's logits are rebuilt from
+    it) and the top-1 id; k > 0 stores the target's top-k ids (int32) and log-probs (float16) instead.
+    Files are safetensors, one per sample: {"hidden"[, "hidden_scale"]} (L, G*H) [, (L, G)] plus
+    {"final"[, "final_scale"], "top1" (L,)} or {"topk_ids", "topk_logp"} (L, k).
     """
 
-    def __init__(self, target: Target, layers: tuple[int, ...], directory: Path | None, storage: str = "target"):
-        self.target, self.layers, self.storage = target, tuple(layers), storage
-        self.same = self.layers == (FINAL,)  # feature == final hidden: store it once
+    def __init__(self, target: Target, layers: tuple[int, ...], directory: Path | None, storage: str = "target",
+                 topk: int = 0):
+        self.target, self.layers, self.storage, self.topk = target, tuple(layers), storage, topk
+        self.same = self.layers == (FINAL,) and not topk  # feature == final hidden: store it once
         self.dir = None
         if directory is not None:
             tag = f"{target.fingerprint}-{target.dtype}-{'_'.join(map(str, self.layers))}".replace("torch.", "")
             tag += "" if storage == "target" else f"-{storage}"
+            tag += f"-top{topk}" if topk else ""
             self.dir = Path(directory) / tag
             self.dir.mkdir(parents=True, exist_ok=True)
         self.computed = 0  # samples whose features this process computed (the rest came from disk)
@@ -158,17 +164,29 @@ class FeatureStore:
         if self.dir is None:  # online: recompute every time
             self.computed += len(samples)
             return self.target.features(b["input_ids"].to(dev), b["attention_mask"].to(dev), self.layers,
-                                        b["loss_mask"].to(dev))
+                                        b["loss_mask"].to(dev), topk=self.topk)
         self.ensure(samples, pad_id)
         paths = [self.dir / f"{sample_key(s)}.safetensors" for s in samples]
-        hidden, final, top1 = self._load(paths, b["input_ids"].shape[1])
-        return TargetFeatures(b["input_ids"].to(dev), b["attention_mask"].to(dev), hidden.to(dev),
-                              final.to(dev), b["loss_mask"].to(dev), top1.long().to(dev))
+        got = self._load(paths, b["input_ids"].shape[1])
+        to = lambda key: got[key].to(dev) if key in got else None  # noqa: E731
+        top1 = got["topk_ids"][..., 0] if self.topk else got["top1"]
+        return TargetFeatures(b["input_ids"].to(dev), b["attention_mask"].to(dev), to("hidden"), to("final"),
+                              b["loss_mask"].to(dev), top1.long().to(dev), to("topk_ids"), to("topk_logp"))
+
+    def missing(self, samples: list[dict]) -> list[int]:
+        """Indices of the samples whose features are not stored (all of them online)."""
+        if self.dir is None:
+            return list(range(len(samples)))
+        return [i for i, s in enumerate(samples) if not (self.dir / f"{sample_key(s)}.safetensors").is_file()]
 
     def ensure(self, samples: list[dict], pad_id: int) -> int:
         """Compute and store the features of the samples not on disk yet; returns how many."""
         paths = [self.dir / f"{sample_key(s)}.safetensors" for s in samples]
-        missing = [i for i, p in enumerate(paths) if not p.is_file()]
+        missing = self.missing(samples)
+        if missing and not self.target.has_transformer:
+            raise TargetError(f"offline features of {len(missing)} samples are missing from {self.dir} (first: "
+                              f"{paths[missing[0]].name}), and target {self.target.name} was loaded without its "
+                              "transformer; run `draftkit prepare --features` with this recipe first")
         if missing:
             self._compute([samples[i] for i in missing], [paths[i] for i in missing], pad_id)
         return len(missing)
@@ -176,11 +194,17 @@ class FeatureStore:
     def _compute(self, samples: list[dict], paths: list[Path], pad_id: int) -> None:
         b = collate(samples, pad_id)
         dev = self.target.device
-        f = self.target.features(b["input_ids"].to(dev), b["attention_mask"].to(dev), self.layers, top1=True)
+        f = self.target.features(b["input_ids"].to(dev), b["attention_mask"].to(dev), self.layers, top1=True,
+                                 topk=self.topk)
         for i, (s, path) in enumerate(zip(samples, paths)):
             L = len(s["input_ids"])
-            tensors = {"top1": f.top1[i, :L].to(torch.int32).contiguous().cpu()}
-            parts = [("final", f.final_hidden, 1)] + ([] if self.same else [("hidden", f.hidden, len(self.layers))])
+            if self.topk:  # the teacher as top-k, no final hidden
+                tensors = {"topk_ids": f.topk_ids[i, :L].contiguous().cpu(),
+                           "topk_logp": f.topk_logp[i, :L].contiguous().cpu()}
+                parts = [("hidden", f.hidden, len(self.layers))]
+            else:
+                tensors = {"top1": f.top1[i, :L].to(torch.int32).contiguous().cpu()}
+                parts = [("final", f.final_hidden, 1)] + ([] if self.same else [("hidden", f.hidden, len(self.layers))])
             for key, x, groups in parts:
                 enc = encode(x[i, :L], self.storage, groups)
                 tensors.update({key + k: v.contiguous().cpu() for k, v in enc.items()})
@@ -190,11 +214,9 @@ class FeatureStore:
         self.computed += len(samples)
 
     def bytes_per_token(self) -> int:
-        """Bytes one token's stored features take (top-1 id included; file headers not)."""
-        elem = {"target": self.target.dtype.itemsize, "bfloat16": 2, "float8": 1}[self.storage]
-        width = self.target.hidden_size * (1 if self.same else 1 + len(self.layers))
-        scales = 1 if self.same else 1 + len(self.layers)
-        return width * elem + 4 + (4 * scales if self.storage == "float8" else 0)
+        """Bytes one token's stored features take (top-1 id or top-k included; file headers not)."""
+        return layout_bytes(self.target.hidden_size, self.layers, self.storage, self.topk,
+                            self.target.dtype.itemsize)
 
     def check_disk(self, num_tokens: int) -> str:
         """Refuse (ValueError) when the offline features of num_tokens tokens would not fit on the
@@ -204,24 +226,44 @@ class FeatureStore:
         need = self.bytes_per_token() * num_tokens
         have = sum(f.stat().st_size for f in self.dir.glob("*.safetensors"))
         free = shutil.disk_usage(self.dir).free
-        text = (f"offline features ({self.storage}): {self.bytes_per_token()} bytes/token x {num_tokens} tokens = "
-                f"{need / 1e9:.2f} GB ({have / 1e9:.2f} GB cached, {free / 1e9:.1f} GB free) in {self.dir}")
+        teacher = f", top-{self.topk} log-probs" if self.topk else ""
+        text = (f"offline features ({self.storage}{teacher}): {self.bytes_per_token()} bytes/token x "
+                f"{num_tokens} tokens = {need / 1e9:.2f} GB ({have / 1e9:.2f} GB cached, {free / 1e9:.1f} GB free) "
+                f"in {self.dir}")
         if need - have > free:
             raise ValueError(f"train.features: {text}: not enough disk; free space, move data.cache_dir, set "
-                             f"train.feature_storage: float8, or train.features: online")
+                             f"train.feature_storage: float8, train.target_topk: 16 (EAGLE-3), or "
+                             f"train.features: online")
         return text
 
-    def _load(self, paths: list[Path], T: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _load(self, paths: list[Path], T: int) -> dict[str, Tensor]:
+        """The samples' stored tensors, decoded and right-padded to T: {"hidden", "final", "top1"}
+        or {"hidden", "topk_ids", "topk_logp"}, each (B, T, ...), read with safetensors."""
         rows = [load_file(p) for p in paths]
         dtype = self.target.dtype
         def pad(key: str) -> Tensor:
-            vals = [r[key] if key == "top1" else decode(r, key, dtype) for r in rows]
+            vals = [r[key] if key in ("top1", "topk_ids", "topk_logp") else decode(r, key, dtype) for r in rows]
             out = torch.zeros(len(rows), T, *vals[0].shape[1:], dtype=vals[0].dtype)
             for i, v in enumerate(vals):
                 out[i, : v.shape[0]] = v
             return out
+        if self.topk:
+            return {k: pad(k) for k in ("hidden", "topk_ids", "topk_logp")}
         final = pad("final")
-        return (final if self.same else pad("hidden")), final, pad("top1")
+        return {"hidden": final if self.same else pad("hidden"), "final": final, "top1": pad("top1")}
+
+
+def layout_bytes(hidden_size: int, layers: tuple[int, ...], storage: str, topk: int = 0,
+                 target_itemsize: int = 2) -> int:
+    """Bytes per token of FeatureStore's layout (file headers not counted): the layers' features
+    (the final hidden once when it is the only layer), plus the final hidden and the top-1 id
+    (topk 0) or k ids and log-probs (int32 + float16); fp8 adds an fp32 scale per stored layer."""
+    elem = {"target": target_itemsize, "bfloat16": 2, "float8": 1}[storage]
+    same = tuple(layers) == (FINAL,) and not topk
+    groups = 1 if same else len(layers) + (0 if topk else 1)  # stored (L, H) blocks per token
+    teacher = 6 * topk if topk else 4
+    return groups * hidden_size * elem + teacher + (4 * groups if storage == "float8" else 0)
+
 
 
 def sample_order(train, samples: list[dict], micro_batch: int, global_batch: int) -> SampleOrder:
@@ -246,7 +288,7 @@ def read_stored(store: FeatureStore, samples: list[dict], pad_id: int) -> Target
     """What store.batch(samples, pad_id) returns, on the CPU, when every sample's features are on disk
     already (so it only reads them); None when one is missing or features are online (the main
     process computes those). What a DataLoader worker calls (train/loader.py)."""
-    if store.dir is None or not all((store.dir / f"{sample_key(s)}.safetensors").is_file() for s in samples):
+    if store.dir is None or store.missing(samples):
         return None
     view = copy.copy(store)
     view.target = _TargetOnCpu(store.target)

@@ -79,6 +79,25 @@ def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -
     return data
 
 
+def unstored_features(recipe: Recipe, shell: Target, num_samples: int) -> str | None:
+    """Why offline training would still need the target's transformer (None: it would not): stage 1
+    unfinished, or some training or held-aside sample without stored features. Reads configs,
+    the manifest and file names only; `shell` may be a target loaded without its transformer."""
+    from draftkit.distill.prepare import finished, load_prepared
+    from draftkit.heads import head_class
+
+    out = finished(recipe, shell, num_samples)
+    if out is None:
+        return "stage 1 (draftkit prepare) is not finished for this recipe"
+    data = load_prepared(out)
+    family = head_class(recipe.head.get("type", ""))
+    config = family.config_from_dict(dict(recipe.head))
+    config.fill_from_target(shell)
+    store = feature_store(recipe, shell, family.feature_layers_of(config))
+    missing = len(store.missing(data.train + data.holdout_samples))
+    return f"features of {missing} samples are not stored in {store.dir}" if missing else None
+
+
 class Trainer:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -87,21 +106,45 @@ class Trainer:
         self.main = self.dist.is_main
         logging.basicConfig(level=logging.INFO if self.main else logging.WARNING,
                             format="%(asctime)s %(name)s: %(message)s")
-        seed_everything(recipe.train.seed)
-        t = recipe.target
-        self.target = load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype,
-                                  trust_remote_code=t.trust_remote_code, device=self.dist.device)
-        self.head = build_head(recipe.head, self.target).to(self.dist.device)
         self.ds_config = build_deepspeed_config(recipe, self.dist.world_size, self.dist.device.type == "cuda")
         self.micro = self.ds_config["train_micro_batch_size_per_gpu"]
         self.accum = self.ds_config["gradient_accumulation_steps"]
         self.global_batch = self.micro * self.accum * self.dist.world_size
+        self.target = self.target_for_training()
+        seed_everything(recipe.train.seed)  # the head starts the same whichever way the target loaded
+        self.head = build_head(recipe.head, self.target).to(self.dist.device)
+        self.head.check_target_topk(recipe.train.target_topk)
         self.autocast = head_autocast(recipe.train, self.dist.device)
         self.recipe_hash = recipe.fingerprint()
         self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer is not None else 0
         self.pad_id = 0 if self.pad_id is None else self.pad_id
 
     # ---- setup ----
+    def target_for_training(self) -> Target:
+        """The target without its transformer when training runs no target forward (offline
+        features, train.eval_every 0, stage 1 finished and every sample's features stored: see
+        unstored_features), else the full target. Every rank loads the same kind."""
+        r, t = self.recipe, self.recipe.target
+        def load(transformer: bool) -> Target:
+            return load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype, trust_remote_code=t.trust_remote_code,
+                               device=self.dist.device, transformer=transformer)
+        why = ("train.features is online" if r.train.features != "offline" else
+               "train.eval_every runs the draft-verify loop" if r.train.eval_every else None)
+        if why is None:
+            shell = load(transformer=False)
+            why = unstored_features(r, shell, samples_needed(r, self.global_batch))
+            if not any_true(why is not None, self.dist.device):
+                if self.main:
+                    log.info("target %s: loaded without its transformer (embeddings, final norm, lm_head; "
+                             "0 of %d decoder layers): every sample's features are stored", shell.name,
+                             shell.num_layers)
+                return shell
+            why = why or "another rank lacks stored features"
+        target = load(transformer=True)
+        if self.main:
+            log.info("target %s: full target loaded (%d decoder layers): %s", target.name, target.num_layers, why)
+        return target
+
     def prepare(self) -> None:
         r = self.recipe
         t0 = time.time()
