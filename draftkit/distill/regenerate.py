@@ -58,9 +58,11 @@ class GenerationSettings:
     # skipped, and a run where none has one (prompt-only files, synthesized prompts) is refused.
     # Keep does not combine with data.grounded (its passages must be the target's own text).
     mode: Literal["regenerate", "keep"] = "regenerate"
-    # "batch": `model.generate` per batch of batch_size (a batch runs until its longest response
-    # ends). "refill": a row whose response ended takes the next prompt at once (distill/refill.py;
-    # greedy gives the same tokens). Not part of the cache key.
+    # "refill": a row whose response ended takes the next prompt at once (distill/refill.py; greedy
+    # gives the same tokens); "batch": `model.generate` per batch of batch_size (a batch runs until its
+    # longest response ends). Refill measured 504 vs 325 response tok/s at batch 64 (SmolLM2 bf16, two
+    # cores, benchmarks/results/generation_throughput_recipe.json): the recipes set it. Not part of
+    # the cache key.
     scheduler: Literal["batch", "refill"] = "batch"
 
     def fingerprint(self, target_id: str) -> str:
