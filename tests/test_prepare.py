@@ -240,7 +240,7 @@ def test_target_without_its_transformer_has_no_decoder_layers_and_is_the_same_ta
 
 def test_the_trainer_needs_the_transformer_until_every_samples_features_are_stored(target, tiny_model_dir,
                                                                                   prompt_file, tmp_path):
-    from draftkit.distill.prepare import prepare, prepare_features
+    from draftkit.distill.prepare import load_prepared, prepare, prepare_features
     from draftkit.target import TargetError, load_target
     from draftkit.train.data import feature_store
     from draftkit.train.loop import unstored_features
@@ -249,17 +249,20 @@ def test_the_trainer_needs_the_transformer_until_every_samples_features_are_stor
                                                                 "head.type=eagle3", "head.feature_layers=[1,2,3]",
                                                                 "train.target_topk=8", "train.eval_every=0"))
     shell = load_target(str(tiny_model_dir), dtype="float32", transformer=False)
-    assert unstored_features(recipe, shell, 10) == "stage 1 (draftkit prepare) is not finished for this recipe"
+    assert unstored_features(recipe, shell, 10) == ("stage 1 (draftkit prepare) is not finished for this recipe", None)
     with pytest.raises(ShardError, match="loaded without its transformer, which cannot generate"):
         prepare(recipe, shell, ONE, 10)
     out = prepare(recipe, target, ONE, 10)
-    assert unstored_features(recipe, shell, 10).startswith("features of 12 samples are not stored in ")
+    why, found = unstored_features(recipe, shell, 10)
+    assert why.startswith("features of 12 samples are not stored in ")
+    assert found == load_prepared(out) and len(found.train) + len(found.holdout_samples) == 12
     store = feature_store(recipe, shell, (1, 2, 3))
     with pytest.raises(TargetError, match=r"offline features of 4 samples are missing .*prepare --features"):
         store.batch([{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]}] * 4, pad_id=0)
     said = prepare_features(recipe, target, ONE, out, batch_size=4)
     assert "(target, top-8 log-probs): " + f"{3 * 32 * 4 + 8 * 6} bytes/token" in said
-    assert unstored_features(recipe, shell, 10) is None
+    why, found = unstored_features(recipe, shell, 10)
+    assert why is None and found == load_prepared(out)  # the trainer reuses it instead of reading stage 1 again
     eagle = load_recipe(ROOT / "recipes" / "quick.yaml", small(tiny_model_dir, prompt_file, tmp_path,
                                                                "train.target_topk=8"))
     from draftkit.heads import HeadError

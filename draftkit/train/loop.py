@@ -73,29 +73,34 @@ def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -
     """Stage 1 (distill/prepare.py: responses -> shards, or the finished shards found), then read them."""
     from draftkit.distill.prepare import load_prepared, prepare
 
-    data = load_prepared(prepare(recipe, target, dist, num_samples))
+    return checked(load_prepared(prepare(recipe, target, dist, num_samples)))
+
+
+def checked(data: Prepared) -> Prepared:
     if not data.train:
         raise ValueError(f"data: no training samples left after filtering ({data.stats})")
     return data
 
 
-def unstored_features(recipe: Recipe, shell: Target, num_samples: int) -> str | None:
-    """Why offline training would still need the target's transformer (None: it would not): stage 1
-    unfinished, or some training or held-aside sample without stored features. Reads configs,
-    the manifest and file names only; `shell` may be a target loaded without its transformer."""
+def unstored_features(recipe: Recipe, shell: Target, num_samples: int) -> tuple[str | None, Prepared | None]:
+    """(why offline training would still need the target's transformer, or None when it would not;
+    the prepared data when stage 1 is finished, read once here so the trainer need not read it again).
+    Needed: stage 1 unfinished, or some training or held-aside sample without stored features.
+    Reads configs, the manifest, the shards and file names only; `shell` may be a target loaded
+    without its transformer."""
     from draftkit.distill.prepare import finished, load_prepared
     from draftkit.heads import head_class
 
     out = finished(recipe, shell, num_samples)
     if out is None:
-        return "stage 1 (draftkit prepare) is not finished for this recipe"
+        return "stage 1 (draftkit prepare) is not finished for this recipe", None
     data = load_prepared(out)
     family = head_class(recipe.head.get("type", ""))
     config = family.config_from_dict(dict(recipe.head))
     config.fill_from_target(shell)
     store = feature_store(recipe, shell, family.feature_layers_of(config))
     missing = len(store.missing(data.train + data.holdout_samples))
-    return f"features of {missing} samples are not stored in {store.dir}" if missing else None
+    return (f"features of {missing} samples are not stored in {store.dir}" if missing else None), data
 
 
 class Trainer:
@@ -130,10 +135,12 @@ class Trainer:
                                device=self.dist.device, transformer=transformer)
         why = ("train.features is online" if r.train.features != "offline" else
                "train.eval_every runs the draft-verify loop" if r.train.eval_every else None)
+        self.found = None  # stage 1's data when the shell was chosen (read once, in unstored_features)
         if why is None:
             shell = load(transformer=False)
-            why = unstored_features(r, shell, samples_needed(r, self.global_batch))
+            why, found = unstored_features(r, shell, samples_needed(r, self.global_batch))
             if not any_true(why is not None, self.dist.device):
+                self.found = found
                 if self.main:
                     log.info("target %s: loaded without its transformer (embeddings, final norm, lm_head; "
                              "0 of %d decoder layers): every sample's features are stored", shell.name,
@@ -148,7 +155,8 @@ class Trainer:
     def prepare(self) -> None:
         r = self.recipe
         t0 = time.time()
-        self.data = prepare_data(r, self.target, self.dist, samples_needed(r, self.global_batch))
+        self.data = (checked(self.found) if self.found is not None else
+                     prepare_data(r, self.target, self.dist, samples_needed(r, self.global_batch)))
         if self.main:
             log.info("data: %d training samples, %d held-aside (%.0f s): %s", len(self.data.train),
                      len(self.data.holdout_samples), time.time() - t0, json.dumps(self.data.stats, default=str))
