@@ -65,8 +65,8 @@ def test_zero_stage_and_precision_change_the_split():
 def test_cpu_recipe_on_an_8b_target_is_flagged():
     p = plan("eagle", f"target.path={LLAMA}", world_size=8)
     assert any("train.lr=0.001" in w and "3e-5..1e-4" in w for w in problems(p, "warning"))
-    # 2400 steps x 32 samples over 1600 prompts: 48 passes
-    assert any("48 passes over 1600 samples" in w for w in problems(p, "warning"))
+    # 2400 steps x 32 samples over 2500 prompts: 30.72 passes
+    assert any("31 passes over 2500 samples (max_steps 2400 x global batch 32)" in w for w in problems(p, "warning"))
     assert any("serve EAGLE-1 over the full vocabulary only" in w for w in problems(p, "warning"))
 
 
