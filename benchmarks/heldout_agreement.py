@@ -9,7 +9,8 @@ responses on the target's text, so the two figures are not comparable. This scor
 the same samples (the recipe's held-aside prompts with the target's responses; stage 1 of that
 recipe must be finished: `draftkit prepare RECIPE [overrides]`), with the trainer's own loss
 (`head.loss`: top-1 of the head against the target's next token, positions in the loss mask),
-features computed online by the recipe's target, under the recipe's autocast. Writes JSON (--out).
+features computed online by the recipe's target, under the recipe's autocast (the trainer's own
+heldout_sums). Writes JSON (--out).
 """
 from __future__ import annotations
 
@@ -26,19 +27,13 @@ from draftkit.heads.base import load_head
 from draftkit.target import load_target
 from draftkit.train.data import FeatureStore
 from draftkit.train.deepspeed_config import head_autocast
-from draftkit.train.loop import TrainWrapper, samples_needed
+from draftkit.train.loop import TrainWrapper, heldout_sums, samples_needed
 
 
 def agreement(head, samples: list[dict], target, pad_id: int, autocast, micro: int) -> dict:
     store = FeatureStore(target, head.feature_layers, None)  # online: the target computes them
     model = TrainWrapper(head.eval(), autocast)
-    samples = sorted(samples, key=lambda s: len(s["input_ids"]))
-    acc = loss = tokens = 0.0
-    with torch.no_grad():
-        for i in range(0, len(samples), micro):
-            out = model(store.batch(samples[i: i + micro], pad_id))
-            n = float(out["tokens"])
-            acc, loss, tokens = acc + float(out["acc"]) * n, loss + float(out["loss"]) * n, tokens + n
+    loss, acc, tokens = heldout_sums(lambda chunk: model(store.batch(chunk, pad_id)), samples, micro).tolist()
     return {"heldout_acc": acc / tokens, "heldout_loss": loss / tokens, "positions": int(tokens)}
 
 

@@ -63,6 +63,22 @@ def holdout_shard(num_chunks: int, world: int, rank: int) -> list[tuple[int, flo
     return mine + [(0, 0.0)] * (rounds - len(mine))
 
 
+@torch.no_grad()
+def heldout_sums(forward, samples: list[dict], micro: int, world: int = 1, rank: int = 0) -> torch.Tensor:
+    """(loss x tokens, top-1 agreement x tokens, tokens) of `forward` (a micro-batch of samples -> the
+    head's loss dict) over this rank's share of `samples`: micro-batches of similar lengths (less
+    padding), every world-th one from `rank`. Every rank runs the same number of forwards (weight-0
+    repeats fill the short ones): under ZeRO-3 each forward gathers the partitioned weights collectively."""
+    samples = sorted(samples, key=lambda s: len(s["input_ids"]))
+    chunks = [samples[i: i + micro] for i in range(0, len(samples), micro)]
+    sums = torch.zeros(3, dtype=torch.float64)
+    for index, weight in holdout_shard(len(chunks), world, rank):
+        out = forward(chunks[index])
+        w = float(out["tokens"]) * weight
+        sums += torch.tensor([float(out["loss"]) * w, float(out["acc"]) * w, w], dtype=torch.float64)
+    return sums
+
+
 def samples_needed(recipe: Recipe, global_batch: int) -> int:
     if recipe.data.num_prompts is not None:
         return recipe.data.num_prompts
@@ -246,28 +262,16 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + float(v.detach()) / self.accum
         return totals
 
-    @torch.no_grad()
     def heldout_agreement(self) -> dict[str, float]:
-        """Top-1 agreement and loss on held-aside samples (never trained on), sharded across ranks.
-
-        Each rank takes every world-th micro-batch and the sums are all-reduced, so the work is done
-        once in all. Every rank runs the same number of forwards (weight-0 repeats fill the short
-        ones): under ZeRO-3 each forward gathers the partitioned weights collectively.
-        """
-        samples = self.data.holdout_samples
-        if not samples:
+        """Top-1 agreement and loss on held-aside samples (never trained on), sharded across ranks:
+        each rank takes its share (heldout_sums) and the sums are all-reduced, so the work is done once."""
+        if not self.data.holdout_samples:
             return {}
-        samples = sorted(samples, key=lambda s: len(s["input_ids"]))  # similar lengths together: less padding
-        chunks = [samples[i: i + self.micro] for i in range(0, len(samples), self.micro)]
-        sums = torch.zeros(3, dtype=torch.float64, device=self.dist.device)  # loss x w, acc x w, w
         self.head.eval()
-        for index, weight in holdout_shard(len(chunks), self.dist.world_size, self.dist.rank):
-            out = self.engine(self.features.batch(chunks[index], self.pad_id))
-            w = float(out["tokens"]) * weight
-            sums += torch.tensor([float(out["loss"]) * w, float(out["acc"]) * w, w], dtype=torch.float64,
-                                 device=sums.device)
+        sums = heldout_sums(lambda chunk: self.engine(self.features.batch(chunk, self.pad_id)),
+                            self.data.holdout_samples, self.micro, self.dist.world_size, self.dist.rank)
         self.head.train()
-        loss, acc, n = sum_across(sums).tolist()
+        loss, acc, n = sum_across(sums.to(self.dist.device)).tolist()
         return {"heldout_loss": loss / max(n, 1), "heldout_acc": acc / max(n, 1)}
 
     def speculative_eval(self) -> dict[str, float]:
