@@ -1,6 +1,6 @@
 """Draft trees (draftkit.inference.tree) and the loop in tree mode, mirroring the ways they can be wrong.
 
-1. The acceptance walk: vectorised == per-row oracle; the output distribution over all outcomes of
+1. The acceptance walk: vectorised == an independent plain-Python oracle (every temperature rule); the output distribution over all outcomes of
    a small tree equals the target's autoregressive distribution (Monte Carlo, 10^6 walks, a bound
    a correct walk exceeds with probability < 1e-6), and three planted bugs fail that same check.
 2. Tree structure: the ancestor mask of a hand-drawn tree; EAGLE-2 growth keeps the best-scoring
@@ -24,7 +24,7 @@ from draftkit.inference.drafters import DraftSettings, DraftSettingsError, Hybri
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams
 from draftkit.inference.tree import (SOURCE_HEAD, SOURCE_LOOKUP, DraftTree, TreeShape, accept_tree,
-                                     accept_tree_loop, add_branches, grow_tree, tree_noise)
+                                     add_branches, grow_tree, tree_noise)
 from tests.conftest import fit, fit_on_greedy_continuations
 from tests.test_spec_decoder import (P_FALSE_ALARM, SMALL_V, V, continuation_law, law_p_value, make_prompts,
                                      small_vocab_target, varied_target)
@@ -153,18 +153,63 @@ def buggy_walk(reuse_noise=False, parent_context=False, accept_then_resample=Fal
     return walk
 
 
-def test_walk_matches_loop_oracle():
+def processed_probs(logits: list[float], params: SamplingParams) -> list[float]:
+    """The target's processed distribution in plain Python (float64), written from the rule and not
+    from draftkit's code: temperature, then top-k (ties with the k-th value kept), then top-p (the
+    smallest most-likely set holding >= top_p, ties with the last kept value kept), renormalised."""
+    z = [x / params.temperature for x in logits]
+    if 0 < params.top_k < len(z):
+        kth = sorted(z, reverse=True)[params.top_k - 1]
+        z = [x if x >= kth else -math.inf for x in z]
+    top = max(z)
+    w = [math.exp(x - top) for x in z]
+    p = [x / sum(w) for x in w]
+    if params.top_p < 1.0:
+        mass, cutoff = 0.0, None
+        for x in sorted(p, reverse=True):
+            if mass >= params.top_p:
+                break
+            mass, cutoff = mass + x, x
+        p = [x if x >= cutoff else 0.0 for x in p]
+        p = [x / sum(p) for x in p]
+    return p
+
+
+def walk_oracle(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, noise) -> list[list[int]]:
+    """The walk of draftkit.inference.tree's module doc, per row in plain Python over the
+    probabilities, sharing no helper with the code it checks: at each node draw t (argmax at T = 0,
+    else argmax_v p_v / E_v with the noise row of that depth, which holds 1 / E), emit it, descend
+    into the child holding t, stop when there is none."""
+    out = []
+    for b, (toks, pars) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+        node, depth, emitted = -1, 0, []
+        while True:
+            row = logits[b, node + 1].tolist()
+            if not params.greedy:
+                row = [w * e for w, e in zip(processed_probs(row, params), noise[b, depth].tolist())]
+            t = row.index(max(row))  # ties: the lowest index
+            emitted.append(t)
+            kids = [i for i, (tok, par) in enumerate(zip(toks, pars)) if tok == t and par == node]
+            if not kids:
+                break
+            node, depth = kids[0], depth + 1
+        out.append(emitted)
+    return out
+
+
+def test_walk_matches_an_independent_oracle():
     g = torch.Generator().manual_seed(0)
     trees = tree_of([SMALL, [(-1, 3), (0, 3), (1, 3)], [(-1, 2)], [(-1, 0), (-1, 1), (-1, 2), (1, 0), (3, 1)]])
     B, N = trees.tokens.shape
-    for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=3)):
+    for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=3), SamplingParams(temperature=0.6),
+                   SamplingParams(temperature=1.3, top_p=0.7)):
         for trial in range(20):
             logits = torch.randn(B, N + 1, 4, generator=g) * 2
             noise = tree_noise(4, 4, [torch.Generator().manual_seed(trial * 10 + b) for b in range(B)])
             v = accept_tree(trees, logits, params, None if params.greedy else noise, depth=4)
-            oracle = accept_tree_loop(trees, logits, params, None if params.greedy else noise)
+            oracle = walk_oracle(trees, logits, params, noise)
             got = [row[: n + 1] for row, n in zip(v.tokens.tolist(), v.num_accepted.tolist())]
-            assert got == oracle
+            assert got == oracle, (params, trial)
             # the path points at the accepted nodes, in order
             for b in range(B):
                 for j in range(int(v.num_accepted[b])):
