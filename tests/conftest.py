@@ -56,16 +56,21 @@ def fit(head, feats, steps: int, lr: float):
 LOOP_PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20], [30, 31, 40]]
 
 
-def fit_on_greedy_continuations(target, head, steps: int, lr: float = 2e-2):
-    """Train `head` on the target's own greedy continuations of LOOP_PROMPTS, so drafts get accepted
-    and the loop's roll-back paths run; returns the reference (plain decoding) outputs."""
+def fit_on_greedy_continuations(target, head, steps: int, lr: float = 2e-2, prompts=LOOP_PROMPTS,
+                                new_tokens: int = 16, length: int | None = 10):
+    """Train `head` on the target's own greedy continuations of `prompts` (new_tokens each; each
+    sequence cut to `length` tokens, None = whole, right-padded), so drafts get accepted and the
+    loop's roll-back paths run; returns the reference (plain decoding) outputs."""
     from draftkit.inference.decoder import plain_generate
 
-    ref, _, _ = plain_generate(target, LOOP_PROMPTS, max_new_tokens=16)
-    seqs = torch.tensor([(p + r)[:10] for p, r in zip(LOOP_PROMPTS, ref)])
+    ref, _, _ = plain_generate(target, prompts, max_new_tokens=new_tokens)
+    seqs = [(p + r)[:length] for p, r in zip(prompts, ref)]
+    L = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])  # (B, L)
+    attn = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs])
     if hasattr(head, "set_draft_vocab"):
         head.set_draft_vocab(tokens=seqs)
-    fit(head, target.features(seqs, None, head.feature_layers), steps=steps, lr=lr)
+    fit(head, target.features(ids, attn, head.feature_layers), steps=steps, lr=lr)
     return ref
 
 

@@ -6,8 +6,9 @@ For each architecture and head family:
    output at 0 with Gemma's scale applied; -1 = the final norm's output, what the lm_head reads);
 2. the head trains (loss falls in a few steps on a fixed batch);
 3. the verify loop is lossless in fp32 at T = 0 against transformers' own greedy decoding, batch 1
-   and a ragged batch with a trained head (so drafts are accepted and rejected, and rolled-back
-   holes and left padding fall inside the sliding windows);
+   and a ragged batch with a head fitted to those continuations, chain, tree and hybrid: drafts are
+   accepted (tau >= 1.5, depth >= 2 in trees) and rejected, and on the sliding-window targets a
+   verify window is seen reaching past a rolled-back hole or a dropped branch (counted, asserted);
 4. every export writes a layout the engine loads for that architecture, or refuses naming why.
 """
 from __future__ import annotations
@@ -129,25 +130,53 @@ def test_greedy_lossless_batch1(lossless_arch, family):
     assert [dec.generate([p], NEW)[0][0] for p in rows] == ref
 
 
+@pytest.fixture
+def window_crossings(monkeypatch):
+    """Counts verify queries whose sliding window reaches a visible key more than `window` slots
+    back: a rolled-back hole or an unvisited tree branch lies between, so a window counted in slots
+    would drop a key the plain decoding sees. Proof that the position-bounded window was needed."""
+    from draftkit.inference import decoder
+
+    build, seen = decoder.MaskSpec.build, [0]
+
+    def spy(self, allowed, q_pos, k_pos):
+        if self.window:
+            T, S = allowed.shape[1:]
+            q_slot = torch.arange(S - T, S)[:, None]  # (T, 1) slots of the queries
+            far = q_slot - torch.arange(S)[None] >= self.window  # (T, S)
+            inside = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < self.window)  # (B, T, S)
+            seen[0] += int((inside & far).any(-1).sum())
+        return build(self, allowed, q_pos, k_pos)
+
+    monkeypatch.setattr(decoder.MaskSpec, "build", spy)
+    return seen
+
+
 @pytest.mark.parametrize("family", ["eagle", "mtp"])
-def test_greedy_lossless_ragged_trained_head(lossless_arch, family):
+def test_greedy_lossless_ragged_trained_head(lossless_arch, family, window_crossings):
     """A head trained on the target's continuations: drafts are accepted in some rows and rejected
     in others, so the batch carries holes and left padding through every sliding window."""
     target = target_of(lossless_arch)
     torch.manual_seed(0)
     head = build_head(dict(FAMILIES[family]), target)
-    fit_on_greedy_continuations(target, head, steps=60)
     rows = prompts()
+    fit_on_greedy_continuations(target, head, steps=40, prompts=rows, new_tokens=NEW, length=None)
+    head.eval()
     ref = hf_greedy(target, rows, NEW)
+    sliding = lossless_arch in SLIDING
     out, stats = SpecDecoder(target, head, 3, stop_ids=[]).generate(rows, NEW)
     assert out == ref
-    assert stats.tau > 1.0  # some drafts accepted: the roll-back paths ran with the window
+    assert stats.tau >= 1.5, stats.to_dict()  # drafts accepted: the roll-back paths ran with the window
+    assert (window_crossings[0] > 0) == sliding  # ... and a window reached past a rolled-back hole
     # a tree (and the hybrid with lookup): non-accepted branches are dropped inside the window too
     for settings in (DraftSettings(mode="tree", topk=2, depth=3, budget=6),
                      DraftSettings(mode="hybrid", topk=2, depth=2, budget=4, lookup_len=3)):
         drafter, kw = settings.decoder_args(head)
+        window_crossings[0] = 0
         out, stats = SpecDecoder(target, drafter, stop_ids=[], **kw).generate(rows, NEW)
         assert out == ref, settings.mode
+        assert stats.tau >= 1.5 and sum(stats.accepted_hist[2:]) > 0, (settings.mode, stats.to_dict())
+        assert (window_crossings[0] > 0) == sliding, settings.mode
 
 
 def make_head(family: str, target, directory):

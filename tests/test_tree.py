@@ -366,16 +366,24 @@ SHAPES = [TreeShape(1, 3, 3), TreeShape(3, 4, 10), TreeShape(4, 2, 20)]
 @pytest.mark.parametrize("family, extra", [("eagle", {"draft_vocab_size": 40}), ("eagle3", {"draft_vocab_size": 50}),
                                            ("mtp", {}), ("medusa", {"num_heads": 4})])
 def test_tree_greedy_fp32_equals_plain_decoding(target, reference, family, extra):
+    """A head fitted to these prompts' continuations, so deep nodes are accepted (tau asserted) and
+    the roll-back keeps paths through the tree, not just the root."""
     prompts, ref = reference
-    head = build_head({"type": family, **extra}, target).eval()
+    torch.manual_seed(0)
+    head = build_head({"type": family, **extra}, target)
+    fit_on_greedy_continuations(target, head, steps=60, prompts=prompts, new_tokens=24, length=None)
+    head.eval()
     for shape in SHAPES:
         for batch in (1, 4):
-            outs = []
+            outs, stats = [], None
             for i in range(0, len(prompts), batch):
-                o, stats = SpecDecoder(target, head, tree=shape, stop_ids=[]).generate(prompts[i: i + batch], 24)
+                o, s = SpecDecoder(target, head, tree=shape, stop_ids=[]).generate(prompts[i: i + batch], 24)
                 outs += o
-                assert sum(stats.accepted_hist) == stats.row_steps
+                assert sum(s.accepted_hist) == s.row_steps
+                stats = s if stats is None else stats.__iadd__(s)
             assert outs == [r[:24] for r in ref], (family, shape, batch)
+            deep = sum(stats.accepted_hist[2:])  # steps that accepted a node at depth >= 2
+            assert stats.tau >= 2.0 and deep > 0, (family, shape, stats.to_dict())
 
 
 def test_trained_head_tree_and_hybrid_are_lossless_and_accept(tiny_target):
