@@ -205,16 +205,24 @@ def test_feature_store_computes_each_sample_once(tmp_path):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.integration
 def test_kill_and_resume_equals_uninterrupted_run(tiny_model_dir, prompt_file, tmp_path):
+    """Every step draws random numbers (head.feature_noise: U(-a, a) on the head's inputs), so the
+    resumed weights equal the uninterrupted run's only if the RNG states come back. Killed twice:
+    after step 3 (between checkpoints), then while saving step 6 (its directory half written):
+    the run resumes from step 4, the last complete checkpoint."""
     cache = tmp_path / "cache"
-    common = ["train.max_steps=8", "train.save_every=2", "train.epochs=2"]
-    full = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "full", cache, *common))
+    common = ["train.max_steps=8", "train.save_every=2", "train.epochs=2", "head.feature_noise=0.2"]
+    run = lambda out, env=None: python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / out, cache, *common),
+                                           env_extra=env)  # noqa: E731
+    full = run("full")
     assert full.returncode == 0, full.stderr[-3000:]
-    killed = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "res", cache, *common),
-                        env_extra={"DRAFTKIT_FAULT_KILL_AFTER_STEP": "5"})
-    assert killed.returncode == -9  # SIGKILL, mid-run, after the step-4 checkpoint
-    assert (tmp_path / "res" / "checkpoints" / "LATEST").read_text() == "step4"
-    assert not (tmp_path / "res" / "head").exists()
-    resumed = python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / "res", cache, *common))
+    killed = run("res", {"DRAFTKIT_FAULT_KILL_AFTER_STEP": "3"})
+    assert killed.returncode == -9  # SIGKILL, mid-run, after the step-2 checkpoint
+    ckpt = tmp_path / "res" / "checkpoints"
+    assert (ckpt / "LATEST").read_text() == "step2" and not (tmp_path / "res" / "head").exists()
+    in_save = run("res", {"DRAFTKIT_FAULT_KILL_DURING_SAVE": "6"})
+    assert in_save.returncode == -9 and "at step 2" in in_save.stderr
+    assert (ckpt / "step6").is_dir() and (ckpt / "LATEST").read_text() == "step4"  # step6 half written
+    resumed = run("res")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "at step 4" in resumed.stderr
     a, b = head_weights(tmp_path / "full"), head_weights(tmp_path / "res")
@@ -226,6 +234,15 @@ def test_kill_and_resume_equals_uninterrupted_run(tiny_model_dir, prompt_file, t
                                    "train.max_steps=1", "train.epochs=2"))
     assert fresh.returncode == 0
     assert not torch.equal(head_weights(tmp_path / "short")["fc.weight"], a["fc.weight"])
+
+
+def test_resume_without_the_rng_state_is_refused_naming_the_file(tmp_path):
+    from draftkit.train.checkpoint import ResumeError, load
+
+    (tmp_path / "step4").mkdir()
+    (tmp_path / "step4" / "draftkit_state.json").write_text(json.dumps({"step": 4, "recipe_hash": "h"}))
+    with pytest.raises(ResumeError, match=r"step4/rng_rank1.pt: missing; .* lacks rank 1's RNG state"):
+        load(None, tmp_path, "step4", rank=1, recipe_hash="h")  # refused before DeepSpeed reads a tensor
 
 
 @pytest.mark.integration

@@ -3,14 +3,17 @@
 Layout: <output_dir>/checkpoints/step<N>/ (DeepSpeed's files + rng_rank<r>.pt) and
 <output_dir>/checkpoints/LATEST naming the newest *complete* one. LATEST is replaced atomically
 only after every rank has finished writing, so a crash mid-save leaves the previous checkpoint
-as the one `resume: auto` picks up.
+as the one `resume: auto` picks up. Resuming needs every file, the RNG states included (a step
+that draws random numbers, e.g. head.feature_noise, would otherwise continue differently).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +22,7 @@ import torch
 from draftkit.train.distributed import barrier
 
 LATEST = "LATEST"
+FAULT_KILL_DURING_SAVE = "DRAFTKIT_FAULT_KILL_DURING_SAVE"  # SIGKILL halfway through saving that step (tests only)
 
 
 class ResumeError(ValueError):
@@ -44,12 +48,26 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@contextlib.contextmanager
+def rng_unchanged():
+    """Run the block without moving the caller's RNG streams (torch, CUDA, Python, numpy). Stage 1
+    reseeds the global generators (regenerate, synthesize) and runs only for what its caches lack,
+    so without this a run's random numbers would depend on whether the caches were warm."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
 def save(engine, root: Path, step: int, client_state: dict, rank: int, keep: int) -> Path:
     tag = f"step{step}"
     (root / tag).mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), root / tag / f"rng_rank{rank}.pt")
     if rank == 0:
         (root / tag / "draftkit_state.json").write_text(json.dumps(client_state))
+    if os.environ.get(FAULT_KILL_DURING_SAVE) == str(step):  # the kill-during-save test: DeepSpeed's files unwritten
+        os.kill(os.getpid(), signal.SIGKILL)
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     barrier()  # every rank's shards are on disk before LATEST moves
     if rank == 0:
@@ -88,10 +106,12 @@ def load(engine, root: Path, tag: str, rank: int, recipe_hash: str) -> dict:
         raise ResumeError(
             f"{root / tag}: written by another recipe (hash {saved}, this run {recipe_hash}); "
             "use a new output_dir or train.resume=none")
+    rng_file = root / tag / f"rng_rank{rank}.pt"
+    if not rng_file.is_file():  # without it the run would continue with other random numbers
+        raise ResumeError(f"{rng_file}: missing; {root / tag} lacks rank {rank}'s RNG state and cannot continue "
+                          "this run exactly (use another checkpoint, a new output_dir or train.resume=none)")
     path, client = engine.load_checkpoint(str(root), tag=tag)
     if path is None:
         raise ResumeError(f"{root / tag}: DeepSpeed could not load this checkpoint")
-    rng_file = root / tag / f"rng_rank{rank}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+    set_rng_state(torch.load(rng_file, weights_only=True))
     return client

@@ -171,8 +171,9 @@ class Trainer:
     def prepare(self) -> None:
         r = self.recipe
         t0 = time.time()
-        self.data = (checked(self.found) if self.found is not None else
-                     prepare_data(r, self.target, self.dist, samples_needed(r, self.global_batch)))
+        with checkpoint.rng_unchanged():  # the same random numbers whether stage 1 ran here or was cached
+            self.data = (checked(self.found) if self.found is not None else
+                         prepare_data(r, self.target, self.dist, samples_needed(r, self.global_batch)))
         if self.main:
             log.info("data: %d training samples, %d held-aside (%.0f s): %s", len(self.data.train),
                      len(self.data.holdout_samples), time.time() - t0, json.dumps(self.data.stats, default=str))
