@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ import torch
 from draftkit.config import load_recipe
 from draftkit.distill.shards import MANIFEST, ShardError, file_sha256, read_manifest
 from draftkit.train.distributed import Dist
-from tests.test_train import ROOT, VENV_BIN, launch, prompt_file, recipe_args, tiny_model_dir  # noqa: F401
+from tests.test_train import (FIXTURES, ROOT, VENV_BIN, launch, prompt_file, recipe_args,  # noqa: F401
+                              tiny_model_dir)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ONE = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -41,6 +43,27 @@ def count_generate(target, monkeypatch) -> list[int]:
 
     monkeypatch.setattr(target.model, "generate", counting)
     return rows
+
+
+@torch.no_grad()
+def independent_sample(target, messages: list[dict], max_new_tokens: int, max_length: int) -> dict:
+    """What stage 1 must produce for one prompt, from the tokenizer and transformers alone: the chat
+    template's text for the prompt, greedy `generate` of one unpadded row until <|im_end|>, the
+    conversation's text re-tokenised, the loss on the response and its closing <|im_end|> (not on
+    the template's header or what follows; a cut response has no closing token in the loss)."""
+    tok, model = target.tokenizer, target.model
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    render = lambda msgs, gen: tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen),  # noqa: E731
+                                   add_special_tokens=False)["input_ids"]
+    prompt = render(messages, True)
+    new = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=end, pad_token_id=end)[0, len(prompt):].tolist()
+    truncated = end not in new
+    response = tok.decode(new if truncated else new[: new.index(end)], skip_special_tokens=True)
+    ids = render(messages + [{"role": "assistant", "content": response}], False)
+    close = ids.index(end, len(prompt))  # the <|im_end|> closing the response
+    mask = [int(len(prompt) <= i < close + (0 if truncated else 1)) for i in range(len(ids))]
+    return {"response": response, "truncated": truncated, "input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
 
 
 def test_prepare_writes_shards_the_trainer_reads_without_preparing_again(target, tiny_model_dir, prompt_file,
@@ -85,6 +108,49 @@ def test_prepare_writes_shards_the_trainer_reads_without_preparing_again(target,
     all_out = prepare(other, target, ONE, 10)
     assert all_out != out and generated == []
     assert all(sum(a["loss_mask"]) > sum(r["loss_mask"]) for a, r in zip(load_prepared(all_out).train, want))
+
+
+@pytest.fixture(scope="module")
+def varied_model_dir(tmp_path_factory) -> Path:
+    """test_train's tiny target with init std 0.2: its greedy answers depend on the prompt (the
+    default init answers every prompt alike, so a response given to the wrong prompt would pass)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, initializer_range=0.2)
+    out = tmp_path_factory.mktemp("varied-target")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_shards_hold_what_the_target_says_computed_independently(varied_model_dir, prompt_file, tmp_path):
+    """Each shard row against a sample computed here without draftkit's code path or its response
+    cache: the prompt (one of the file's) rendered by the chat template, decoded greedily on its own
+    by transformers' generate, the conversation re-tokenised, the loss mask on the response."""
+    import datasets
+
+    from draftkit.distill.prepare import prepare
+    from draftkit.target import load_target
+
+    target = load_target(str(varied_model_dir), dtype="float32")
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", small(varied_model_dir, prompt_file, tmp_path))
+    out = prepare(recipe, target, ONE, 10)
+    rows = datasets.load_dataset("parquet", data_files=str(out / "*.parquet"), split="train",
+                                 cache_dir=str(tmp_path / "hf"))
+    prompts_in_file = {json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()}
+    responses = set()
+    for row in rows:  # the 10 training samples and the 2 held aside
+        messages = json.loads(row["messages"])  # stored as JSON text
+        assert len(messages) == 1 and messages[0]["content"] in prompts_in_file, messages
+        expect = independent_sample(target, messages, max_new_tokens=12, max_length=64)
+        assert {k: row[k] for k in expect} == expect, messages
+        responses.add(expect["response"])
+    assert len(rows) == 12 and len(responses) >= 6  # answers differ by prompt: a swap would show
 
 
 def test_corrupt_or_truncated_shard_is_named_then_rewritten(target, tiny_model_dir, prompt_file, tmp_path, caplog):
