@@ -135,9 +135,12 @@ def window_crossings(monkeypatch):
     """Counts verify queries whose sliding window reaches a visible key more than `window` slots
     back: a rolled-back hole or an unvisited tree branch lies between, so a window counted in slots
     would drop a key the plain decoding sees. Proof that the position-bounded window was needed."""
-    from draftkit.inference import decoder
+    try:  # inference/cache.py once the decoder is split (r-inference), decoder.py before
+        from draftkit.inference.cache import MaskSpec
+    except ImportError:
+        from draftkit.inference.decoder import MaskSpec
 
-    build, seen = decoder.MaskSpec.build, [0]
+    build, seen = MaskSpec.build, [0]
 
     def spy(self, allowed, q_pos, k_pos):
         if self.window:
@@ -148,7 +151,7 @@ def window_crossings(monkeypatch):
             seen[0] += int((inside & far).any(-1).sum())
         return build(self, allowed, q_pos, k_pos)
 
-    monkeypatch.setattr(decoder.MaskSpec, "build", spy)
+    monkeypatch.setattr(MaskSpec, "build", spy)
     return seen
 
 
