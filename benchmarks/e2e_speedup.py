@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from draftkit.heads import load_head
-from draftkit.inference.decoder import PlainStats, SpecDecoder, SpecStats, compare_greedy, plain_generate
+from draftkit.inference.decoder import SpecDecoder, plain_generate
+from draftkit.inference.stats import PlainStats, SpecStats, compare_greedy
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import _prepare, read_prompt_file, resolve_head_dir
 from draftkit.inference.sampling import SamplingParams

@@ -9,7 +9,7 @@ Sections, each timed and recorded as pass / FAIL / skip with its reason:
              (a ragged batch; the RejectionSampler's `auto` dispatch picks Triton); T = 0.7 runs
              (CUDA generators, the stochastic kernels)
   loop_bf16  the same in bf16: every divergence from plain decoding must be a near-tie of the
-             target's top-2 logits (draftkit.inference.decoder.compare_greedy)
+             target's top-2 logits (draftkit.inference.stats.compare_greedy)
   train      50 steps of recipes/eagle.yaml and recipes/eagle3.yaml in bf16 with ZeRO-2 through
              `python draftkit/train/run.py` (NCCL init, DeepSpeed bf16 + fused Adam, CUDA RNG state in
              checkpoints: the EAGLE run is resumed to 60 steps); skipped without DeepSpeed
@@ -166,7 +166,8 @@ def fit_head(target, prompts, new_tokens: int, steps: int):
 
 
 def _loop(cfg, dtype: str) -> dict:
-    from draftkit.inference.decoder import SpecDecoder, compare_greedy, plain_generate
+    from draftkit.inference.decoder import SpecDecoder, plain_generate
+    from draftkit.inference.stats import compare_greedy
     from draftkit.inference.sampling import SamplingParams
 
     target, what = load_loop_target(cfg, dtype)

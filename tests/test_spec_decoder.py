@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from draftkit.heads import build_head
-from draftkit.inference.decoder import (SpecDecoder, SpecError, compare_greedy, near_tie_tolerance,
-                                        plain_generate)
+from draftkit.inference.decoder import SpecDecoder, plain_generate
+from draftkit.inference.errors import SpecError
+from draftkit.inference.stats import compare_greedy, near_tie_tolerance
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs
 

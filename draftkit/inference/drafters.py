@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from draftkit.inference.decoder import SpecError
+from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.tree import SOURCE_LOOKUP, DraftTree, TreeShape, add_branches
 

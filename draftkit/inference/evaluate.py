@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
-from draftkit.inference.decoder import (ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, SpecDecoder, SpecError,
-                                        SpecStats, PlainStats, acceptance_label, check_acceptance, compare_greedy,
-                                        context_length, plain_generate, stop_token_ids)
+from draftkit.inference.decoder import SpecDecoder, context_length, plain_generate, stop_token_ids
+from draftkit.inference.errors import SpecError
+from draftkit.inference.stats import PlainStats, SpecStats, compare_greedy
+from draftkit.inference.typical import (ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, acceptance_label,
+                                        check_acceptance)
 from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams
