@@ -27,6 +27,8 @@ Acceptance rule (`SpecDecoder(acceptance=...)`): "rejection" (default, lossless)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -112,15 +114,64 @@ def _sync(device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class LoopState:
+    """What one step hands the next (one `generate` call, B rows)."""
+
+    tc: TargetCache  # the target's KV cache
+    params: SamplingParams
+    gens: list  # one torch.Generator per row
+    sample: Callable  # sample_fn(params, gens): the target's (and a sampling drafter's) draw
+    draft_state: Any  # the drafter's own state (head.new_draft_state)
+    feats: Tensor  # (B, n, F) target features of the positions confirmed last step
+    next_tokens: Tensor  # (B, n) the token after each of those positions
+    valid: Tensor  # (B, n) bool: real entries (rows confirm different counts)
+    pending: Tensor  # (B,) the newest token (recovered / bonus), not yet fed to the target
+    active: Tensor  # (B,) bool: rows still running this step
+
+
+@dataclass
+class Proposal:
+    """One step's drafts. A chain of w tokens is the tree whose node i has parent i-1 (depth i+1);
+    `probs` (B, w, V) is q of a chain drafted by sampling (the rejection sampler reads it), None
+    for one-hot drafts (argmax, lookup) and for every tree."""
+
+    tree: DraftTree
+    probs: Tensor | None = None
+
+
+@dataclass
+class Verdict:
+    """What one verify decided, per row (D = the loop's k: the deepest a step can accept).
+
+    tokens        (B, D+1) the emitted tokens: accepted drafts, then the recovered / bonus token, -1 pad
+    num_accepted  (B,) accepted drafts
+    path          (B, D) block slot (1 + node index) of each accepted node in order, -1 pad
+    offered       (B, D) bool: the walk stood at depth i with a draft to try (SpecStats.record)
+    source        (B, D) uint8 source flags of the accepted nodes (draftkit.inference.tree)
+    feats         (B, N+1, F) the target's features at the verify block's slots [root, nodes]
+    """
+
+    tokens: Tensor
+    num_accepted: Tensor
+    path: Tensor
+    offered: Tensor
+    source: Tensor
+    feats: Tensor
+
+
 class SpecDecoder:
     """Target + drafter + verify rule: the draft-verify loop.
 
     Chain mode (tree=None): the drafter's `draft` proposes k tokens per step, verified by the
     rejection sampler (acceptance="rejection", lossless, sampled drafts with their q) or Medusa's
-    typical acceptance (acceptance="typical", LOSSY at T > 0; see the module doc).
+    typical acceptance (acceptance="typical", LOSSY at T > 0; see typical.py).
     Tree mode (tree=TreeShape): the drafter's `draft_tree` proposes a tree (heads: EAGLE-2 growth;
-    HybridDrafter: the head's tree plus a lookup branch), verified in one forward and accepted by
+    HybridDrafter: the head's tree plus a lookup branch), accepted by the tree walk
     draftkit.inference.tree.accept_tree (lossless at every temperature).
+    Both go through one step: draft (a chain is a one-child-per-node tree) -> verify [pending,
+    nodes] in one forward with the ancestor mask -> accept (the chain's rule or the walk) ->
+    commit the accepted path.
     """
 
     def __init__(self, target, head, k: int | None = None, sampler: RejectionSampler | None = None,
@@ -147,7 +198,7 @@ class SpecDecoder:
         self.sampler = sampler or RejectionSampler("auto")
         self.stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)
         self.layers = tuple(getattr(head, "feature_layers", (FINAL,)))
-        self.observer = None  # called with (DraftTree, TreeVerdict) after every tree verify
+        self.observer = None  # called with (DraftTree, Verdict) after every verify (tree.score: None for a chain)
 
     @property
     def lossless(self) -> bool:
@@ -163,105 +214,114 @@ class SpecDecoder:
                  ) -> tuple[list[list[int]], SpecStats]:
         """Decode every prompt (token ids) in one ragged batch; outputs exclude the prompt."""
         t_start = time.perf_counter()
-        k, B, dev = self.k, len(prompts), self.target.device
-        check_prompts(prompts, max_new_tokens, context_length(self.target), extra=k + 1)
-        stats = SpecStats(k)
-        gens = make_generators(seeds if seeds is not None else range(B), dev)
-        sample = sample_fn(params, gens)
+        B, dev = len(prompts), self.target.device
+        check_prompts(prompts, max_new_tokens, context_length(self.target), extra=self.k + 1)
+        stats = SpecStats(self.k)
         rows = _Rows(B, max_new_tokens, self.stop_ids, dev)
-
-        # Prefill: the whole prompt, the first token sampled from the target.
-        ids, valid = left_pad(prompts, dev)
-        tc = TargetCache(self.target, B, self.layers)
-        logits, feats = tc.forward(ids, valid, logits_from=ids.shape[1] - 1)
-        tc.commit(valid)
-        pending, _ = sample(logits[:, -1])  # (B,)
-        for b, t in enumerate(pending.tolist()):
+        s = self._prefill(prompts, params, seeds)
+        for b, t in enumerate(s.pending.tolist()):
             rows.add(b, [t])
-        next_tokens = torch.cat([ids[:, 1:], pending[:, None]], dim=1)  # (B, L): token after each position
-        feed_valid = valid
-        feats = _no_feats(feats, ids, self.target.dtype)
-        state = self.head.new_draft_state(B)
         _sync(dev)
         stats.prefill_s = time.perf_counter() - t_start
 
         while rows.any_active:
-            active = rows.active.clone()
+            s.active = rows.active.clone()
             t0 = time.perf_counter()
-            step = self._tree_step if self.tree is not None else self._chain_step
-            out, num_acc, path, offered, source, verify_feats, t1 = step(
-                state, feats, next_tokens, feed_valid & active[:, None], active, pending, tc, params, gens, sample)
-            # Roll back: keep the root (pending) and the accepted path, compacted in path order.
-            num_keep = (num_acc + 1) * active
-            slots = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # (B, D+1) block slots
-            tc.commit_path(slots, num_keep, verify_feats.shape[1])
-            L = int(num_keep.max())
-            pending = out.gather(1, num_acc[:, None])[:, 0]  # (B,) recovered / bonus token
-            # The head consumes the kept positions next step: their features and the token after each.
-            feats = verify_feats.gather(1, slots[:, :L].clamp(min=0)[..., None].expand(-1, -1, verify_feats.shape[2]))
-            next_tokens = out[:, :L].clamp(min=0)
-            feed_valid = torch.arange(L, device=dev)[None] < num_keep[:, None]
+            proposal = self._draft(s)
+            _sync(dev)
+            t1 = time.perf_counter()
+            v = self._verify(s, proposal)
+            self._commit(s, v)
             _sync(dev)
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
-            stats.record(offered, num_acc, active, source)
-            out_rows, n_rows = out.tolist(), num_acc.tolist()
-            for b in active.nonzero()[:, 0].tolist():
+            stats.record(v.offered, v.num_accepted, s.active, v.source)
+            out_rows, n_rows = v.tokens.tolist(), v.num_accepted.tolist()
+            for b in s.active.nonzero()[:, 0].tolist():
                 rows.add(b, out_rows[b][: n_rows[b] + 1])
 
         stats.new_tokens = rows.new_tokens()
         stats.total_s = time.perf_counter() - t_start
         return rows.out, stats
 
-    def _chain_step(self, state, feats, next_tokens, feed_valid, active, pending, tc, params, gens, sample):
-        """Draft a chain of k, verify [pending, d_1..d_w] causally, rejection-sample (or typical)."""
-        B, dev = active.shape[0], active.device
+    def _prefill(self, prompts, params: SamplingParams, seeds) -> LoopState:
+        """Feed the whole prompt; the first token is the target's own draw."""
+        B, dev = len(prompts), self.target.device
+        gens = make_generators(seeds if seeds is not None else range(B), dev)
+        sample = sample_fn(params, gens)
+        ids, valid = left_pad(prompts, dev)  # (B, L)
+        tc = TargetCache(self.target, B, self.layers)
+        logits, feats = tc.forward(ids, valid, logits_from=ids.shape[1] - 1)
+        tc.commit(valid)
+        pending, _ = sample(logits[:, -1])  # (B,)
+        next_tokens = torch.cat([ids[:, 1:], pending[:, None]], dim=1)  # (B, L): token after each position
+        return LoopState(tc, params, gens, sample, self.head.new_draft_state(B),
+                         _no_feats(feats, ids, self.target.dtype), next_tokens, valid, pending,
+                         torch.ones(B, dtype=torch.bool, device=dev))
+
+    def _draft(self, s: LoopState) -> Proposal:
+        """The drafter's chain of k (as a chain tree) or its tree; stopped rows offer nothing."""
+        valid = s.valid & s.active[:, None]
+        if self.tree is not None:
+            return Proposal(_mask_rows(self.head.draft_tree(s.draft_state, s.feats, s.next_tokens, valid, self.tree),
+                                       s.active))
         # typical acceptance verifies the drafter's top-1 chain; rejection sampling its samples (and q)
-        draft_sample = sample_fn(SamplingParams(), gens) if self.acceptance == "typical" else sample
-        drafts, dprobs = self.head.draft(state, feats, next_tokens, feed_valid, self.k, draft_sample)
-        _sync(dev)
-        t1 = time.perf_counter()
-        num_draft = (drafts >= 0).long().cumprod(1).sum(1) * active  # (B,)
-        w = int(num_draft.max())
-        drafts = drafts[:, :w].clamp(min=0)
-        if dprobs is not None:
-            dprobs = dprobs[:, :w]
-        step_ids = torch.cat([pending[:, None], drafts], dim=1)  # (B, w+1)
-        ar = torch.arange(w + 1, device=dev)
-        step_valid = (ar[None] <= num_draft[:, None]) & active[:, None]
-        causal = (ar[None, :] <= ar[:, None]).expand(B, w + 1, w + 1)
-        logits, vfeats = tc.verify(step_ids, step_valid, tc.next_pos[:, None] + ar, causal)
-        if w and self.acceptance == "typical":  # LOSSY: see typical_verify
-            out, num_acc = typical_verify(drafts, logits, num_draft, params, sample,
+        sample = sample_fn(SamplingParams(), s.gens) if self.acceptance == "typical" else s.sample
+        tokens, probs = self.head.draft(s.draft_state, s.feats, s.next_tokens, valid, self.k, sample)  # (B, k)
+        source = getattr(self.head, "draft_source", SOURCE_HEAD)
+        tree = _mask_rows(DraftTree.chains(tokens, source), s.active)  # a -1 ends a row's chain
+        w = int(tree.num_nodes.max())  # the verify is as wide as the longest chain
+        tree = DraftTree(tree.tokens[:, :w], tree.parents[:, :w], tree.depth[:, :w], tree.source[:, :w])
+        return Proposal(tree, None if probs is None else probs[:, :w])
+
+    def _verify(self, s: LoopState, p: Proposal) -> Verdict:
+        """Feed [pending, nodes] in one forward (node at position next_pos + depth, seeing its
+        ancestors), then accept with the chain's rule or the tree walk."""
+        tree = p.tree
+        ids = torch.cat([s.pending[:, None], tree.tokens.clamp(min=0)], dim=1)  # (B, N+1)
+        valid = torch.cat([s.active[:, None], tree.tokens >= 0], dim=1)
+        positions = s.tc.next_pos[:, None] + torch.nn.functional.pad(tree.depth, (1, 0))  # root at depth 0
+        logits, feats = s.tc.verify(ids, valid, positions, tree.ancestor_mask())  # (B, N+1, V)
+        accept = self._accept_tree if self.tree is not None else self._accept_chain
+        tokens, num_acc, path, offered = accept(tree, p.probs, logits, s)
+        flags = torch.nn.functional.pad(tree.source, (1, 0))  # (B, N+1) by block slot, root 0
+        v = Verdict(tokens, num_acc, path, offered, flags.gather(1, path.clamp(min=0)),
+                    _no_feats(feats, ids, self.target.dtype))
+        if self.observer is not None:  # the cost model's acceptance profile (draftkit.inference.cost)
+            self.observer(tree, v)
+        return v
+
+    def _accept_tree(self, tree: DraftTree, probs, logits: Tensor, s: LoopState):
+        """The lossless walk (tree.py); its noise is drawn for the full depth k every step."""
+        noise = None if s.params.greedy else tree_noise(self.k, logits.shape[-1], s.gens).to(logits.device)
+        w = accept_tree(tree, logits, s.params, noise, depth=self.k)
+        return w.tokens, w.num_accepted, w.path, w.offered
+
+    def _accept_chain(self, tree: DraftTree, probs: Tensor | None, logits: Tensor, s: LoopState):
+        """Rejection sampling with q (or one-hot drafts), or typical acceptance, over a chain tree."""
+        drafts, num_draft = tree.tokens.clamp(min=0), tree.num_nodes  # (B, w), (B,)
+        if drafts.shape[1] and self.acceptance == "typical":  # LOSSY: see typical_verify
+            out, num_acc = typical_verify(drafts, logits, num_draft, s.params, s.sample,
                                           self.typical_epsilon, self.typical_delta)
         else:  # w == 0 (nothing drafted anywhere) is a plain step: the bonus token drawn from p
             # draw_width=k: each row consumes the same random numbers per step whatever the others drafted
-            out, num_acc = self.sampler(drafts, dprobs, logits, num_draft, params, gens, draw_width=self.k)
-        ark = torch.arange(self.k, device=dev)[None]
-        path = torch.where(ark < num_acc[:, None], ark + 1, -1)  # (B, k) block slots 1..num_acc
+            out, num_acc = self.sampler(drafts, probs, logits, num_draft, s.params, s.gens, draw_width=self.k)
+        ark = torch.arange(self.k, device=drafts.device)[None]
+        path = torch.where(ark < num_acc[:, None], ark + 1, -1)  # (B, k): node i sits in block slot i+1
         offered = (ark < num_draft[:, None]) & (ark <= num_acc[:, None])
-        out = torch.nn.functional.pad(out, (0, self.k + 1 - out.shape[1]), value=-1)
-        source = torch.full_like(path, getattr(self.head, "draft_source", SOURCE_HEAD), dtype=torch.uint8)
-        return out, num_acc, path, offered, source, _no_feats(vfeats, step_ids, self.target.dtype), t1
+        return torch.nn.functional.pad(out, (0, self.k + 1 - out.shape[1]), value=-1), num_acc, path, offered
 
-    def _tree_step(self, state, feats, next_tokens, feed_valid, active, pending, tc, params, gens, sample):
-        """Draft a tree, verify root + nodes in one forward with the ancestor mask, walk it."""
-        dev = active.device
-        tree = self.head.draft_tree(state, feats, next_tokens, feed_valid, self.tree)
-        tree = _mask_rows(tree, active)
-        _sync(dev)
-        t1 = time.perf_counter()
-        step_ids = torch.cat([pending[:, None], tree.tokens.clamp(min=0)], dim=1)  # (B, N+1)
-        step_valid = torch.cat([active[:, None], tree.tokens >= 0], dim=1)
-        positions = tc.next_pos[:, None] + torch.cat([tree.depth.new_zeros(tree.depth.shape[0], 1), tree.depth], dim=1)
-        logits, vfeats = tc.verify(step_ids, step_valid, positions, tree.ancestor_mask())
-        noise = None if params.greedy else tree_noise(self.k, logits.shape[-1], gens).to(dev)
-        v = accept_tree(tree, logits, params, noise, depth=self.k)
-        if self.observer is not None:  # the cost model's acceptance profile (draftkit.inference.cost)
-            self.observer(tree, v)
-        flags = torch.nn.functional.pad(tree.source, (1, 0))  # (B, N+1) by block slot, root 0
-        source = flags.gather(1, v.path.clamp(min=0))  # (B, k) flags of the accepted nodes
-        return v.tokens, v.num_accepted, v.path, v.offered, source, _no_feats(vfeats, step_ids, self.target.dtype), t1
+    def _commit(self, s: LoopState, v: Verdict) -> None:
+        """Roll back: keep the root (pending) and the accepted path, compacted in path order; the
+        drafter consumes the kept positions next step (their features and the token after each)."""
+        num_keep = (v.num_accepted + 1) * s.active
+        slots = torch.cat([torch.zeros_like(v.path[:, :1]), v.path], dim=1)  # (B, D+1) block slots
+        s.tc.commit_path(slots, num_keep, v.feats.shape[1])
+        L = int(num_keep.max())
+        s.pending = v.tokens.gather(1, v.num_accepted[:, None])[:, 0]  # (B,) recovered / bonus token
+        s.feats = v.feats.gather(1, slots[:, :L].clamp(min=0)[..., None].expand(-1, -1, v.feats.shape[2]))
+        s.next_tokens = v.tokens[:, :L].clamp(min=0)
+        s.valid = torch.arange(L, device=slots.device)[None] < num_keep[:, None]
 
 
 def _no_feats(feats: Tensor | None, ids: Tensor, dtype) -> Tensor:
