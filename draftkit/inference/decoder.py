@@ -23,6 +23,27 @@ wide as the longest row's draft.
 
 Acceptance rule (`SpecDecoder(acceptance=...)`): "rejection" (default, lossless) or "typical"
 (Medusa's, LOSSY at T > 0; draftkit/inference/typical.py).
+
+Draft rule of a chain (`SpecDecoder(draft_sampling=...)`, DRAFT_SAMPLING):
+  "sample" (default)  each draft token is drawn from the drafter's q (processed with the same
+                      temperature / top-k / top-p) and verified with that q: accept d with
+                      probability min(1, p(d)/q(d)), else draw from norm(max(p - q, 0)).
+  "greedy"            each draft token is the drafter's argmax, and verification treats q as
+                      one-hot on it (RejectionSampler with draft_probs=None, as n-gram drafts are
+                      verified): accept d with probability p(d), else draw from p with d removed.
+                      LOSSLESS too (a one-hot q is a valid draft distribution: the token is a
+                      deterministic function of the context). This is vLLM's default engine rule:
+                      SpeculativeConfig.draft_sample_method = "greedy" (vllm/config/speculative.py,
+                      vLLM 0.32: "always picks the argmax token, and the draft probabilities are
+                      treated as one-hot during rejection sampling"); the proposer takes
+                      compute_logits(h).argmax (vllm/v1/spec_decode/llm_base_proposer.py,
+                      _greedy_sample) and the rejection sampler runs with draft_probs None
+                      (vllm/v1/sample/rejection_sampler.py, NO_DRAFT_PROBS: draft_prob = 1, the
+                      recovered token drawn from target_probs with the draft token masked out).
+                      It accepts less than "sample" where q is close to p, and measures what an
+                      engine serving the head with its defaults will see.
+At T = 0 both rules draft the argmax and accept on exact match. Trees always draft the drafter's
+top-k children (deterministic), typical acceptance always its top-1 chain: the rule is chain-only.
 """
 from __future__ import annotations
 
@@ -42,6 +63,8 @@ from draftkit.inference.stats import PlainStats, SpecStats
 from draftkit.inference.tree import SOURCE_HEAD, DraftTree, TreeShape, accept_tree, tree_noise
 from draftkit.inference.typical import TYPICAL_DELTA, TYPICAL_EPSILON, acceptance_label, check_acceptance, typical_verify
 from draftkit.target import FINAL
+
+DRAFT_SAMPLING = ("sample", "greedy")  # the chain's draft rule (module doc)
 
 
 def stop_token_ids(target) -> list[int]:
@@ -164,8 +187,9 @@ class SpecDecoder:
     """Target + drafter + verify rule: the draft-verify loop.
 
     Chain mode (tree=None): the drafter's `draft` proposes k tokens per step, verified by the
-    rejection sampler (acceptance="rejection", lossless, sampled drafts with their q) or Medusa's
-    typical acceptance (acceptance="typical", LOSSY at T > 0; see typical.py).
+    rejection sampler (acceptance="rejection", lossless: drafts sampled from q and verified with
+    it, or with draft_sampling="greedy" the drafter's argmax verified as one-hot, vLLM's default)
+    or Medusa's typical acceptance (acceptance="typical", LOSSY at T > 0; see typical.py).
     Tree mode (tree=TreeShape): the drafter's `draft_tree` proposes a tree (heads: EAGLE-2 growth;
     HybridDrafter: the head's tree plus a lookup branch), accepted by the tree walk
     draftkit.inference.tree.accept_tree (lossless at every temperature).
@@ -177,8 +201,11 @@ class SpecDecoder:
     def __init__(self, target, head, k: int | None = None, sampler: RejectionSampler | None = None,
                  stop_ids: list[int] | None = None, acceptance: str = "rejection",
                  typical_epsilon: float = TYPICAL_EPSILON, typical_delta: float = TYPICAL_DELTA,
-                 tree: TreeShape | None = None):
+                 tree: TreeShape | None = None, draft_sampling: str = "sample"):
         check_acceptance(acceptance, typical_epsilon, typical_delta)
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise SpecError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {draft_sampling!r}")
+        self.draft_sampling = draft_sampling
         self.acceptance, self.typical_epsilon, self.typical_delta = acceptance, typical_epsilon, typical_delta
         self.tree = tree
         if tree is not None:
@@ -265,8 +292,10 @@ class SpecDecoder:
         if self.tree is not None:
             return Proposal(_mask_rows(self.head.draft_tree(s.draft_state, s.feats, s.next_tokens, valid, self.tree),
                                        s.active))
-        # typical acceptance verifies the drafter's top-1 chain; rejection sampling its samples (and q)
-        sample = sample_fn(SamplingParams(), s.gens) if self.acceptance == "typical" else s.sample
+        # typical acceptance and the greedy draft rule verify the drafter's top-1 chain (q one-hot,
+        # probs None); the sample rule its draws from q, with q
+        greedy = self.acceptance == "typical" or self.draft_sampling == "greedy"
+        sample = sample_fn(SamplingParams(), s.gens) if greedy else s.sample
         tokens, probs = self.head.draft(s.draft_state, s.feats, s.next_tokens, valid, self.k, sample)  # (B, k)
         source = getattr(self.head, "draft_source", SOURCE_HEAD)
         tree = _mask_rows(DraftTree.chains(tokens, source), s.active)  # a -1 ends a row's chain
