@@ -379,7 +379,8 @@ def plain_generate(target, prompts: list[list[int]], max_new_tokens: int = 128,
     """Plain autoregressive decoding (one target forward per token), the baseline and the reference.
 
     With record_gaps, also returns for each emitted token (top-1 minus top-2 logit, top-1 logit) at
-    that position: how close the choice was, the measure that tells bf16 rounding from a bug.
+    that position: how close the choice was (informative; whether a divergence is rounding is
+    decided by stats.compare_greedy's teacher-forced criterion).
     """
     t_start = time.perf_counter()
     B, dev = len(prompts), target.device

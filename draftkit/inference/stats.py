@@ -1,7 +1,8 @@
 """What a run of the loop counted (`SpecStats`, `PlainStats`), and the T = 0 comparison of its
-outputs with plain decoding (`compare_greedy`)."""
+outputs with plain decoding (`compare_greedy`, the teacher-forced near-tie criterion)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -118,15 +119,55 @@ class PlainStats:
 
 
 
-# A (k+1)-token forward and a 1-token step round differently. On SmolLM2-135M in bf16 their logits
-# differ by up to ~0.75 at top-1 logits of ~26, i.e. ~4 bf16 epsilons of the top-1 magnitude per
-# logit; the top-2 *gap* can then move by twice that. A divergence whose gap at that position is
-# within NEAR_TIE_EPS epsilons of |top-1| is a near-tie (numerics); one beyond it is a bug.
-NEAR_TIE_EPS = 8.0
+# ---------------------------------------------------------------------------------------------
+# T = 0 comparison with plain decoding: the teacher-forced near-tie criterion
+# ---------------------------------------------------------------------------------------------
+
+# How far below the top a token's float32 log-probability may be for a swap to count as rounding.
+# A (k+1)-token verify and a 1-token step of a 16-bit target round differently: on SmolLM2-135M in
+# bf16 single logits move by up to ~0.75 (bf16 keeps 8 significant bits: one ulp is 0.125 at a
+# logit of ~26), most by far less, so two tokens within a few tenths of a nat trade places; a bug
+# (a wrong position, a wrong mask, a rolled-back slot read) emits a token nats below the top. 0.5
+# nats: a swap of two tokens each within 0.5 nats of the top (probability ratio >= e^-0.5 = 0.61)
+# is excused. fp32 rounds 2^16 times finer: 1e-3 nats there.
+TIE_GAP_NATS = {torch.float32: 1e-3, torch.float64: 1e-6}
+TIE_GAP_16BIT = 0.5
 
 
-def near_tie_tolerance(top1: float, dtype: torch.dtype) -> float:
-    return NEAR_TIE_EPS * torch.finfo(dtype).eps * max(abs(top1), 1.0)
+def tie_gap(dtype: torch.dtype) -> float:
+    """The default gap (nats) of compare_greedy for a target computing in `dtype`."""
+    return TIE_GAP_NATS.get(dtype, TIE_GAP_16BIT)
+
+
+class TeacherForced:
+    """The target's next-token log-probabilities in float32 on a given prefix (prompt + tokens).
+
+    The float32 copy of the model is made once, on the first query (the target itself when it is
+    float32 already), so a run without divergences never pays for it; answers are memoised by
+    prefix (evaluate compares again after every batch).
+    """
+
+    def __init__(self, target):
+        self.target = target
+        self._model = None
+        self._memo: dict[tuple[int, ...], Tensor] = {}
+
+    @property
+    def model(self):
+        if self._model is None:
+            m = self.target.model
+            self._model = m if next(m.parameters()).dtype == torch.float32 else copy.deepcopy(m).float()
+        return self._model
+
+    @torch.inference_mode()
+    def logprobs(self, prefix: list[int]) -> Tensor:
+        """(V,) float32 log-probabilities of the token after `prefix`, one full forward (no cache)."""
+        key = tuple(prefix)
+        if key not in self._memo:
+            ids = torch.tensor([prefix], device=self.target.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, -1].float()  # (V,)
+            self._memo[key] = logits.log_softmax(-1).cpu()
+        return self._memo[key]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -137,21 +178,37 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare_greedy(outputs: list[list[int]], reference: list[list[int]],
-                   gaps: list[list[tuple[float, float]]] | None, dtype: torch.dtype,
-                   ids: list | None = None) -> dict:
-    """T = 0 outputs vs plain decoding: mismatch count, near-ties, and every divergence."""
-    divergences = []
+def compare_greedy(outputs: list[list[int]], reference: list[list[int]], prompts: list[list[int]],
+                   scorer: TeacherForced | None, names: list | None = None, gap: float | None = None) -> dict:
+    """T = 0 outputs vs plain decoding (`reference`), with the teacher-forced criterion of engine
+    test suites: where a row first differs, the target's float32 log-probabilities on the shared
+    prefix (prompt + the common tokens) score both tokens; the swap is a near-tie, excused, iff
+    each is within `gap` nats of the top (default tie_gap(target dtype)). Anything else (a token
+    outside the gap, one row ending early, no scorer) is a failure, named in "failures".
+
+    Returns mismatches, near_ties (excused), failures (one line each), max_gap (the largest gap
+    seen at a divergence, nats; None if none was scored), tolerance (the gap), divergences.
+    """
+    tol = gap if gap is not None else (tie_gap(scorer.target.dtype) if scorer is not None else 0.0)
+    divergences, failures = [], []
     for r, (out, ref) in enumerate(zip(outputs, reference)):
         i = first_divergence(out, ref)
         if i is None:
             continue
-        d = {"prompt": ids[r] if ids else r, "index": i, "got": out[i] if i < len(out) else None,
-             "expected": ref[i] if i < len(ref) else None}
-        if gaps is not None and i < len(gaps[r]):
-            gap, top1 = gaps[r][i]
-            tol = near_tie_tolerance(top1, dtype)
-            d.update(gap=gap, top1=top1, tolerance=tol, near_tie=gap <= tol)
+        name = names[r] if names else r
+        got, exp = (out[i] if i < len(out) else None), (ref[i] if i < len(ref) else None)
+        d = {"prompt": name, "index": i, "got": got, "expected": exp, "tolerance": tol, "near_tie": False}
+        if scorer is not None and got is not None and exp is not None:
+            lp = scorer.logprobs(list(prompts[r]) + ref[:i])  # (V,)
+            top = float(lp.max())
+            d.update(gap_got=top - float(lp[got]), gap_expected=top - float(lp[exp]))
+            d["gap"] = max(d["gap_got"], d["gap_expected"])
+            d["near_tie"] = d["gap"] <= tol
+        if not d["near_tie"]:
+            why = f"{d['gap']:.3f} nats below the top > {tol:g}" if "gap" in d else "not scored"
+            failures.append(f"prompt {name} token {i}: got {got}, expected {exp} ({why})")
         divergences.append(d)
-    return {"mismatches": len(divergences), "near_ties": sum(bool(d.get("near_tie")) for d in divergences),
+    gaps = [d["gap"] for d in divergences if "gap" in d]
+    return {"mismatches": len(divergences), "near_ties": sum(d["near_tie"] for d in divergences),
+            "failures": failures, "max_gap": max(gaps) if gaps else None, "tolerance": tol,
             "divergences": divergences}
