@@ -13,6 +13,10 @@ One step, for every row b of the batch (rows are ragged: own length, own accepta
     sampler          -> n_b accepted drafts + one recovered / bonus token (the new pending token)
     roll back        slots of the rejected drafts become *holes* (mask 0), never re-read
 
+A tree goes through the same step: node i at position next_pos_b + depth_i, seeing the cache and
+its ancestors, accepted by the tree walk. The chain is the tree whose node i has parent i-1, so
+both share one verify and one commit (SpecDecoder._verify / _commit); only acceptance differs.
+
 Where the parts live: the target's KV cache with holes and its masks in cache.py, the counts and
 the T = 0 comparison in stats.py, the verify rules in rejection.py (lossless), typical.py (Medusa's,
 lossy) and tree.py (the tree walk).
