@@ -8,11 +8,13 @@ or all of it, sized to the run, with `prepare_samples`; as a resumable stage on 
 shards + manifest, what the trainer reads) with `draftkit prepare` (distill/prepare.py).
 """
 
-from .grounded import GroundedSettings, grounded_prompts
-from .regenerate import Conversation, GenerationSettings, read_cached, regenerate
+from draftkit.config import GenerationSettings, GroundedSettings, PromptSource, SynthesisSettings
+
+from .grounded import grounded_prompts
+from .regenerate import Conversation, read_cached, regenerate
 from .samples import build_samples, prepare_samples, tokenize_conversation
-from .sources import Prompt, PromptSource, load_prompts
-from .synthesize import SynthesisSettings, magpie_prefix, synthesize_cached, synthesize_prompts
+from .sources import Prompt, load_prompts
+from .synthesize import magpie_prefix, synthesize_cached, synthesize_prompts
 
 __all__ = [
     "Conversation", "GenerationSettings", "GroundedSettings", "Prompt", "PromptSource", "SynthesisSettings",

@@ -278,7 +278,6 @@ def run(args: argparse.Namespace) -> int:
     from draftkit.target import TargetError, load_target
     from draftkit.train.deepspeed_config import build_deepspeed_config
     from draftkit.train.distributed import init_distributed
-    from draftkit.train.loop import samples_needed
 
     dist = init_distributed()
     logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING,
@@ -289,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
                              device=dist.device)
         world = args.train_processes or dist.world_size
         ds = build_deepspeed_config(recipe, world, dist.device.type == "cuda")
-        out = prepare(recipe, target, dist, samples_needed(recipe, ds["train_batch_size"]))
+        out = prepare(recipe, target, dist, recipe.samples_needed(ds["train_batch_size"]))
         if args.features:
             said = prepare_features(recipe, target, dist, out, recipe.train.micro_batch_size)
             if dist.is_main:

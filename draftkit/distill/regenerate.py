@@ -13,7 +13,6 @@ of a multi-process run share one directory.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -23,54 +22,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from tqdm import tqdm
 
+from draftkit.config import GenerationSettings
 from draftkit.prompts import end_of_turn_ids, stop_token_ids  # noqa: F401  (re-exported)
 
 from .sources import Prompt
 
 log = logging.getLogger(__name__)
 FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_BATCH"  # SIGKILL after writing that many response batches (tests only)
-
-
-@dataclass
-class GenerationSettings:
-    # Longest response in tokens; a response cut here is marked `truncated`.
-    max_new_tokens: int = 256
-    # Sampling temperature; 0 is greedy. Default 0: EAGLE-style heads are trained and evaluated on
-    # the target's greedy continuations (Spec-Bench measures greedy decoding).
-    temperature: float = 0.0
-    # Nucleus sampling threshold (used when temperature > 0).
-    top_p: float = 1.0
-    # Prompts per `generate` call (prompts are sorted by length first, so a batch pads little).
-    # SmolLM2-135M bf16 on two CPU cores: the recipes' length-sorted batches of 64 ran at ~170
-    # response tok/s (grounded prompts, recipes/eagle.yaml's log); benchmarks/generation_throughput.py
-    # compares batch sizes and attentions in one run. Raise it on a GPU. Not part of the cache key.
-    batch_size: int = 16
-    # Seed of the sampler (each batch reseeds with seed + batch index). Part of the cache key.
-    seed: int = 0
-    # "regenerate": the target answers every prompt (self-distillation). "keep": train on the
-    # sources' own replies (ShareGPT / OpenAI messages whose last user turn is answered), features
-    # from one prefill and no generation, as the EAGLE paper did; prompts without a reply are
-    # skipped, and a run where none has one (prompt-only files, synthesized prompts) is refused.
-    # Keep does not combine with data.grounded (its passages must be the target's own text).
-    mode: Literal["regenerate", "keep"] = "regenerate"
-    # "refill": a row whose response ended takes the next prompt at once (distill/refill.py; greedy
-    # gives the same tokens); "batch": `model.generate` per batch of batch_size (a batch runs until its
-    # longest response ends). Refill measured 504 vs 325 response tok/s at batch 64 (SmolLM2 bf16, two
-    # cores, benchmarks/results/generation_throughput_recipe.json): the recipes set it. Not part of
-    # the cache key.
-    scheduler: Literal["batch", "refill"] = "batch"
-
-    def fingerprint(self, target_id: str) -> str:
-        """Everything that decides a response, except the prompt. batch_size, mode and scheduler are left out."""
-        d = dataclasses.asdict(self)
-        for key in ("batch_size", "mode", "scheduler"):
-            d.pop(key)
-        return json.dumps({"target": target_id, **d}, sort_keys=True)
 
 
 @dataclass

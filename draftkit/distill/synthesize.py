@@ -13,11 +13,13 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from draftkit.config import SynthesisSettings
 
 from .regenerate import end_of_turn_ids
 from .sources import Prompt
@@ -25,21 +27,6 @@ from .sources import Prompt
 log = logging.getLogger(__name__)
 
 _MARKER = "XXXX_MAGPIE_USER_XXXX"
-
-
-@dataclass
-class SynthesisSettings:
-    # Sequences sampled per `generate` call.
-    batch_size: int = 32
-    # Longest user turn in tokens; one that has not ended by then is thrown away.
-    max_new_tokens: int = 128
-    # Sampling temperature; Magpie samples at 1.0 for diversity.
-    temperature: float = 1.0
-    # Nucleus sampling threshold.
-    top_p: float = 1.0
-    # Shortest and longest prompt kept, in characters after stripping whitespace.
-    min_chars: int = 16
-    max_chars: int = 2000
 
 
 def magpie_prefix(tokenizer) -> str:
