@@ -124,6 +124,7 @@ def finished(recipe, target, num_samples: int) -> Path | None:
 
 
 def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
+    from draftkit.distill.context import DataContext
     from draftkit.distill.regenerate import responses
     from draftkit.distill.samples import prepare_conversations
     from draftkit.distill.text import resolve_format
@@ -135,16 +136,13 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
                          "transformer, which cannot generate responses; load the full target")
     d = recipe.data
     t0 = time.time()
-    fmt = resolve_format(d.format, target.tokenizer, target.name)  # chat, or text (completion mode)
-    common = dict(cache_dir=Path(d.cache_dir) if d.cache_dir else cache_root() / "data",
-                  target_id=f"{target.name}:{target.fingerprint}", rank=dist.rank,
-                  world_size=dist.world_size, barrier=barrier, progress=dist.is_main, fmt=fmt)
-    convs, holdout_prompts, stats = prepare_conversations(
-        target.model, target.tokenizer, sources=d.sources or None, num_samples=num_samples,
-        num_holdout=d.holdout, generation=d.responses, synthesis=d.synthesize, grounded=d.grounded,
-        seed=recipe.train.seed, **common)
-    holdout = responses(target.model, target.tokenizer, holdout_prompts, d.responses, **common) \
-        if holdout_prompts else []
+    ctx = DataContext(target.model, target.tokenizer, Path(d.cache_dir) if d.cache_dir else cache_root() / "data",
+                      f"{target.name}:{target.fingerprint}", data=d,
+                      fmt=resolve_format(d.format, target.tokenizer, target.name),  # chat, or text (completion)
+                      seed=recipe.train.seed, rank=dist.rank, world_size=dist.world_size, barrier=barrier,
+                      progress=dist.is_main)
+    convs, holdout_prompts, stats = prepare_conversations(ctx, num_samples)
+    holdout = responses(ctx, holdout_prompts, d.responses) if holdout_prompts else []
     entries = {}
     for split, split_convs, loss_on in (("train", convs, d.loss_on), ("holdout", holdout, "response")):
         chunks = [split_convs[i: i + d.shard_size] for i in range(0, len(split_convs), d.shard_size)] or [[]]
@@ -152,7 +150,7 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
         entries[split] = []
         for k in mine:  # rank r tokenises and writes only its own shards
             rows, shard_stats = _rows(target.tokenizer, chunks[k], d, loss_on, keep_dropped=split == "holdout",
-                                      fmt=fmt)
+                                      fmt=ctx.fmt)
             entry = write_shard(out / shard_name(split, k, len(chunks)), rows)
             entries[split].append({**entry, "index": k, "stats": shard_stats})
     entries = _gather(entries, dist)
