@@ -83,7 +83,8 @@ def eagle_shapes(c: dict, fc_bias: bool = False) -> Shapes:
 # [embedding, hidden] (2H) with an input_layernorm on the embedding and a hidden_norm on the hidden,
 # norm, lm_head over draft_vocab_size rows, and the vocabulary maps d2t (OFFSETS: target id = draft
 # id + d2t[draft id]) and t2d (a target-vocab mask). vLLM's llama_eagle3.py, SGLang's and the
-# reference's all read this layout (names: vllm.py's comment; speculators renames midlayer.).
+# reference's all read this layout (vllm.py says how vLLM's loader renames it; speculators.py
+# writes midlayer. as layers.0.).
 EAGLE3_NAMES = (("fc.", "fc."), ("midlayer.", "midlayer."), ("norm.", "norm."), ("lm_head.", "lm_head."),
                 ("d2t", "d2t"), ("t2d", "t2d"))
 
