@@ -18,7 +18,8 @@ from draftkit.distill import DataContext, GenerationSettings, PromptSource, load
 from draftkit.distill.regenerate import Conversation
 from draftkit.distill.sources import Prompt
 from draftkit.distill.synthesize import magpie_prefix
-from draftkit.distill.text import completion_ids, resolve_format, tokenize_completion
+from draftkit.distill.samples import tokenize_completion
+from draftkit.distill.text import completion_ids, resolve_format
 from draftkit.prompts import cut_text, read_text_prompts
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -31,6 +31,7 @@ from draftkit.prompts import end_of_turn_ids, stop_token_ids  # noqa: F401  (re-
 
 from .context import DataContext
 from .sources import Prompt
+from .text import completion_ids
 
 log = logging.getLogger(__name__)
 FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_BATCH"  # SIGKILL after writing that many response batches (tests only)
@@ -126,8 +127,6 @@ def _cache_dir(cache_dir: Path, settings: GenerationSettings, target_id: str) ->
 
 
 def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path, progress: bool, fmt: str = "chat"):
-    from .text import completion_ids
-
     cache.mkdir(parents=True, exist_ok=True)
     ids = [completion_ids(tokenizer, p.messages) if fmt == "text" else
            chat_ids(tokenizer, p.messages, add_generation_prompt=True) for p in prompts]

@@ -27,7 +27,7 @@ from .grounded import grounded_prompts
 from .regenerate import Conversation, chat_ids, end_of_turn_ids, regenerate, responses
 from .sources import Prompt, load_prompts
 from .synthesize import synthesize_cached
-from .text import tokenize_completion
+from .text import completion_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,16 @@ def completion_kinds(tokenizer, conv: Conversation) -> tuple[list[int], list[int
     if sample is None:
         return None
     return sample["input_ids"], [RESPONSE if m else PROMPT for m in sample["loss_mask"]]
+
+
+def tokenize_completion(tokenizer, conv: Conversation) -> dict:
+    """{input_ids, loss_mask}: prompt ids, then the continuation's ids (+ EOS when it ended), the
+    mask 1 exactly on the continuation (and its EOS)."""
+    prompt = completion_ids(tokenizer, conv.prompt.messages)
+    response = list(tokenizer(conv.response, add_special_tokens=False)["input_ids"])
+    if not conv.truncated and tokenizer.eos_token_id is not None:
+        response.append(tokenizer.eos_token_id)
+    return {"input_ids": prompt + response, "loss_mask": [0] * len(prompt) + [1] * len(response)}
 
 
 def tokenize_conversation(tokenizer, conv: Conversation, loss_on: str = "response") -> dict | None:
