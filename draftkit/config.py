@@ -149,6 +149,9 @@ class GroundedSettings:
                              f"expected names from {sorted(GROUNDED_TASKS)}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The recipe's other parts, and the recipe
+# ---------------------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
     # Prompt sources; empty = the target synthesizes its own prompts (Magpie, chat targets only).

@@ -123,12 +123,25 @@ def finished(recipe, target, num_samples: int) -> Path | None:
     return None if issues else out
 
 
-def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
+def data_context(recipe, target, dist):
+    """The DataContext of this run's stage 1: the target, the recipe's data section and seed, the
+    shared response cache, this rank's share (distill/context.py)."""
     from draftkit.distill.context import DataContext
-    from draftkit.distill.regenerate import responses
-    from draftkit.distill.samples import prepare_conversations
     from draftkit.distill.text import resolve_format
     from draftkit.target import cache_root
+    from draftkit.train.distributed import barrier
+
+    d = recipe.data
+    return DataContext(target.model, target.tokenizer, Path(d.cache_dir) if d.cache_dir else cache_root() / "data",
+                       f"{target.name}:{target.fingerprint}", data=d,
+                       fmt=resolve_format(d.format, target.tokenizer, target.name),  # chat, or text (completion)
+                       seed=recipe.train.seed, rank=dist.rank, world_size=dist.world_size, barrier=barrier,
+                       progress=dist.is_main)
+
+
+def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
+    from draftkit.distill.regenerate import responses
+    from draftkit.distill.samples import prepare_conversations
     from draftkit.train.distributed import barrier
 
     if not target.has_transformer:
@@ -136,11 +149,7 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
                          "transformer, which cannot generate responses; load the full target")
     d = recipe.data
     t0 = time.time()
-    ctx = DataContext(target.model, target.tokenizer, Path(d.cache_dir) if d.cache_dir else cache_root() / "data",
-                      f"{target.name}:{target.fingerprint}", data=d,
-                      fmt=resolve_format(d.format, target.tokenizer, target.name),  # chat, or text (completion)
-                      seed=recipe.train.seed, rank=dist.rank, world_size=dist.world_size, barrier=barrier,
-                      progress=dist.is_main)
+    ctx = data_context(recipe, target, dist)
     convs, holdout_prompts, stats = prepare_conversations(ctx, num_samples)
     holdout = responses(ctx, holdout_prompts, d.responses) if holdout_prompts else []
     entries = {}
