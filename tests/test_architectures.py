@@ -135,10 +135,7 @@ def window_crossings(monkeypatch):
     """Counts verify queries whose sliding window reaches a visible key more than `window` slots
     back: a rolled-back hole or an unvisited tree branch lies between, so a window counted in slots
     would drop a key the plain decoding sees. Proof that the position-bounded window was needed."""
-    try:  # inference/cache.py once the decoder is split (r-inference), decoder.py before
-        from draftkit.inference.cache import MaskSpec
-    except ImportError:
-        from draftkit.inference.decoder import MaskSpec
+    from draftkit.inference.cache import MaskSpec
 
     build, seen = MaskSpec.build, [0]
 
