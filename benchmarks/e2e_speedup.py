@@ -24,7 +24,8 @@ import torch
 from draftkit.heads import load_head
 from draftkit.inference.decoder import PlainStats, SpecDecoder, SpecStats, compare_greedy, plain_generate
 from draftkit.inference.drafters import DraftSettings
-from draftkit.inference.evaluate import _prepare, read_prompt_file, resolve_head_dir
+from draftkit.inference.cli_eval import resolve_head_dir
+from draftkit.inference.evaluate import _prepare, read_prompt_file
 from draftkit.inference.sampling import SamplingParams
 from draftkit.target import load_target
 

@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("draftkit.plan", "what a recipe's run will cost (params, memory per rank, data, steps) and what is wrong"),
     "train": ("draftkit.train.run", "train a head from a recipe (same as draftkit/train/run.py)"),
     "prepare": ("draftkit.distill.prepare", "prepare a recipe's data as shards (same as draftkit/distill/prepare.py)"),
-    "eval": ("draftkit.inference.evaluate", "measure real acceptance and speedup of a head"),
+    "eval": ("draftkit.inference.cli_eval", "measure real acceptance and speedup of a head"),
     "export": ("draftkit.export.cli", "write a head in a serving format (vllm, sglang, speculators)"),
     "import": ("draftkit.export.cli_import", "convert a serving-format or published head into draftkit"),
     "inspect": ("draftkit.export.cli_inspect", "say what a head directory is and check it against a target"),
