@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="use a head whose recorded target does not match")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--out", default="runs/eval", help="directory for report.json, report.md, acceptance.png")
+    from draftkit.engines.vllm_eval import add_arguments as add_engine_arguments
+    add_engine_arguments(p)  # --engine vllm, --vllm-python
 
 
 def resolve_head_dir(path: str) -> Path:
@@ -101,6 +103,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "engine", "draftkit") == "vllm":
+        from draftkit.engines.vllm_eval import run_cli
+        return run_cli(args)
     try:
         if args.k is not None and args.k < 1:
             raise SpecError(f"--k must be >= 1, got {args.k}")
