@@ -24,7 +24,7 @@ import torch
 from draftkit.engines import vllm as ev
 from draftkit.engines.vllm_eval import EngineEvalSettings, engine_eval, loop_decoder
 from draftkit.export import export_head
-from draftkit.export import formats
+from draftkit.export import layout as layouts
 from draftkit.heads import build_head
 from tests.conftest import fit
 
@@ -203,8 +203,8 @@ PLANTED = {  # bug -> (family, Layout fields to replace)
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_export_bug_collapses_engine_acceptance(bug, world, engine_python, monkeypatch, tmp_path):
     family, fields = PLANTED[bug]
-    good = formats.layout_for("vllm", family)
-    monkeypatch.setitem(formats.LAYOUTS, ("vllm", family), dataclasses.replace(good, **fields(good)))
+    good = layouts.layout_for("vllm", family)
+    monkeypatch.setitem(layouts.LAYOUTS, ("vllm", family), dataclasses.replace(good, **fields(good)))
     export = export_head(world["root"] / family, "vllm", tmp_path / "export", target=world["target"])
     run = serve_export(world, export, family, engine_python)["runs"][0]
     engine, ours = ev.engine_figures(run["counters"], K), loop_counts(world, family)

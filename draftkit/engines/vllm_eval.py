@@ -61,7 +61,7 @@ def loop_decoder(target, head, k: int, stop_ids: list[int]):
 def prepare_export(head_dir: Path, target, work: Path) -> tuple[Path, dict, list[str]]:
     """(vLLM export dir, its contract, notes): head_dir itself when it is a vLLM export, else exported."""
     from draftkit.export import export_head
-    from draftkit.export.formats import find_contract, read_dir
+    from draftkit.export.files import find_contract, read_dir
 
     cfg, _ = read_dir(head_dir)
     contract = find_contract(head_dir, cfg) or {}
@@ -227,7 +227,7 @@ def add_arguments(p) -> None:
 def run_cli(args) -> int:
     """`draftkit eval --engine vllm`: same prompts, --limit and sampling flags as eval."""
     from draftkit.engines.vllm import EngineError, EngineUnavailable, find_python
-    from draftkit.export.formats import ExportError
+    from draftkit.export import ExportError
     from draftkit.heads.base import HeadError
     from draftkit.inference.evaluate import encode, read_prompt_file, synthesize_prompts
     from draftkit.inference.report import _atomic_write
