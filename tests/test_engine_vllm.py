@@ -129,7 +129,7 @@ def check_drafter(drafter: dict, family: str) -> None:
             assert p["equals_target"] and not p["from_file"], (name, p)
             continue
         assert p["rows_covered"] == p["shape"][0], f"{name}: {p['rows_covered']} of {p['shape'][0]} rows from the file"
-        order = [f.split(".")[-2] for f, _ in sorted(p["from_file"], key=lambda x: x[1])]
+        order = [f.split(".")[-2] if "." in f else f for f, _ in sorted(p["from_file"], key=lambda x: x[1])]
         if "qkv_proj" in name:
             assert order == ["q_proj", "k_proj", "v_proj"], order
         if "gate_up_proj" in name:
