@@ -256,3 +256,55 @@ def test_bad_input(tiny_target):
         SpecDecoder(tiny_target, head, k=4)
     with pytest.raises(SpecError, match="tree depth"):
         SpecDecoder(tiny_target, head, tree=TreeShape(2, 2, 4))
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_vllm_export_loads_in_vllms_dflash_model(tiny_target, tmp_path, draft_vocab):
+    """vLLM's own DFlashQwen3ForCausalLM + load_weights (its venv, a subprocess) over our export:
+    every parameter set from the file except the shared embed_tokens (and lm_head over the full
+    vocabulary), each equal to the native tensor (q/k/v and gate/up stacked), the mask embedding
+    from mask_embedding.pt, the aux layers vLLM captures = ours, non-causal layers."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from draftkit.export import export_head
+    from draftkit.target import cache_root
+
+    venv = Path(os.environ.get("DRAFTKIT_VLLM_VENV", cache_root() / "vllm-venv"))
+    if not (venv / "bin" / "python").exists():
+        if os.environ.get("DRAFTKIT_CHECK_VLLM") == "1":
+            pytest.fail(f"no vLLM venv at {venv} (DRAFTKIT_CHECK_VLLM=1)")
+        pytest.skip(f"no vLLM venv at {venv}: scripts/setup.sh builds it; DRAFTKIT_VLLM_VENV points elsewhere")
+    head = head_for(tiny_target, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        head.set_draft_vocab(tokens=batch(tiny_target, B=8, T=16)[0])
+    tiny_target.model.save_pretrained(tmp_path / "target")
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "vllm", target=tiny_target)
+    r = subprocess.run([venv / "bin" / "python", Path(__file__).with_name("vllm_dflash_load.py"), tmp_path / "target",
+                        out, str(29500 + os.getpid() % 400)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    shared = ["model.embed_tokens.weight"] + ([] if draft_vocab else ["lm_head.weight"])
+    assert got["unset"] == sorted(shared) and got["has_own_lm_head"] == bool(draft_vocab)
+    assert got["separate_mask_embedding"] and got["mask_token_id"] == head.config.mask_token_id
+    assert got["aux_layers"] == list(head.feature_layers) and got["causal"] == [False, False]
+    s = {k: v.detach() for k, v in head.state_dict().items()}
+    want = {"model.fc.weight": s["fc.weight"], "model.hidden_norm.weight": s["hidden_norm.weight"],
+            "model.norm.weight": s["norm.weight"], "model.mask_embedding": s["mask_embedding"]}
+    for i in range(2):
+        p = f"layers.{i}."
+        want[f"model.{p}self_attn.qkv_proj.weight"] = torch.cat([s[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"])
+        want[f"model.{p}mlp.gate_up_proj.weight"] = torch.cat([s[f"{p}mlp.gate_proj.weight"], s[f"{p}mlp.up_proj.weight"]])
+        for name in ("self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.down_proj",
+                     "input_layernorm", "post_attention_layernorm"):
+            want[f"model.{p}{name}.weight"] = s[f"{p}{name}.weight"]
+    if draft_vocab:
+        want["draft_id_to_target_id"] = s["d2t"]
+        want["lm_head.weight"] = tiny_target.lm_head.weight.detach()[head.draft_ids]
+    assert set(got["params"]) == set(want)
+    for name, t in want.items():  # vLLM pads lm_head's rows to a multiple of 64 (ParallelLMHead)
+        assert got["params"][name][:t.numel()] == t.flatten().tolist(), name
+        assert not any(got["params"][name][t.numel():]), name

@@ -78,6 +78,9 @@ class Layout:
     optional: Callable[[dict], Shapes] = lambda c: {}
     tensors_out: Callable[[dict, Context], dict] = _identity_tensors  # native names, before renaming
     tensors_in: Callable[[dict, Context], dict] = _identity_tensors  # native names, after renaming
+    # Files beside the weights the engine reads (name -> bytes), from the native tensors (DFlash's
+    # mask_embedding.pt); written into the same atomic directory.
+    files_out: Callable[[dict, Context], dict[str, bytes]] = lambda state, ctx: {}
     # Contract location: inside config.json when the engine's config class ignores unknown keys.
     sidecar: bool = False
     # The feature-layer convention of the ids this layout writes (see contract.py).
@@ -134,7 +137,7 @@ def layout_for(fmt: str, family: str) -> Layout:
 
 
 def _load_tables() -> None:
-    from draftkit.export import official, sglang, speculators, vllm  # noqa: F401  (they register)
+    from draftkit.export import dflash, official, sglang, speculators, vllm  # noqa: F401  (they register)
 
 
 # ---- renaming ----------------------------------------------------------------------------------
@@ -305,7 +308,7 @@ def _read_torch_pickles(files: list[Path]) -> dict[str, Tensor]:
 
 def write_dir(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool, *,
               sidecar: dict | None = None, weights_file: str = "model.safetensors",
-              metadata: dict | None = None) -> Path:
+              metadata: dict | None = None, files: dict[str, bytes] | None = None) -> Path:
     """Write atomically: build in a temp dir beside `out`, then swap it in (never half-written)."""
     out = Path(out)
     if out.exists() and not overwrite:
@@ -318,6 +321,8 @@ def write_dir(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bo
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if sidecar is not None:
             (tmp / "draftkit.json").write_text(json.dumps(sidecar, indent=2, default=str) + "\n")
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -439,6 +444,7 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
     if "d2t" in state and not _matches("d2t", ctx.table(layout), reverse=False):
         native, state, dropped = drop_draft_vocab(native, state, layout, full_vocab, where)
         ctx.native = native
+    files = layout.files_out(state, ctx)
     tensors = rename(layout.tensors_out(dict(state), ctx), ctx.table(layout), reverse=False, where=where)
     config = layout.config_out(native, ctx)
     config.setdefault("torch_dtype", dtype_name(tensors))
@@ -447,9 +453,10 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
     if dropped:
         contract["draft_vocab"] = dropped
     if layout.sidecar:
-        return write_dir(Path(out), config, tensors, overwrite, sidecar=contract, weights_file=layout.weights_file)
+        return write_dir(Path(out), config, tensors, overwrite, sidecar=contract, weights_file=layout.weights_file,
+                         files=files)
     return write_dir(Path(out), {**config, CONTRACT_KEY: contract}, tensors, overwrite,
-                     weights_file=layout.weights_file)
+                     weights_file=layout.weights_file, files=files)
 
 
 def find_contract(directory: Path, cfg: dict) -> dict | None:
