@@ -10,6 +10,7 @@ import torch
 from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.dflash import zflash_layer_ids
 from draftkit.inference.decoder import SpecDecoder, SpecError, plain_generate
+from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.sampling import SamplingParams, logits_to_probs
 from draftkit.inference.tree import TreeShape
 from tests.conftest import LOOP_PROMPTS, batch, fit, fit_on_greedy_continuations, greedy, make_arch_target, make_tiny_target
@@ -167,6 +168,12 @@ def test_greedy_loop_is_lossless_and_a_fitted_head_accepts(tiny_target):
     assert out == ref and stats.tau > 1.5
     for k in (1, 2):
         assert SpecDecoder(tiny_target, head, k=k).generate(LOOP_PROMPTS, max_new_tokens=16)[0] == ref
+    # a tree over the block's per-position top-k, alone and with the lookup branch (HybridDrafter)
+    for settings in (DraftSettings(mode="tree", topk=2, depth=3, budget=6),
+                     DraftSettings(mode="hybrid", topk=2, depth=3, budget=6, lookup_len=3)):
+        drafter, kw = settings.decoder_args(head)
+        out, stats = SpecDecoder(tiny_target, drafter, **kw).generate(LOOP_PROMPTS, max_new_tokens=16)
+        assert out == ref and stats.tau > 1.5, settings.mode
 
 
 def _chi2(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
@@ -181,16 +188,19 @@ def _chi2(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
     return float(((obs - exp) ** 2 / exp).sum()), df + 5 * math.sqrt(2 * df)
 
 
-def test_sampling_follows_the_target_distribution():
+@pytest.mark.parametrize("tree", [None, TreeShape(2, 2, 4)])
+def test_sampling_follows_the_target_distribution(tree):
     """T > 0, tiny vocabulary: tokens 2 and 3 (both decided by the first verify step, from the
-    block's q_1, q_2) follow the target's joint law; a slightly different law is noticed."""
+    block's q_1, q_2 as a chain, or its top-2 tree) follow the target's joint law; a slightly
+    different law is noticed."""
     V = 8
     target = make_arch_target("llama", vocab=V, seed=3)
     head = head_for(target, feature_layers=[2]).train()
     ids, attn, lm = batch(target, B=8, T=16, seed=5)
     fit(head, target.features(ids, attn, head.feature_layers, lm), steps=30, lr=1e-2)  # q_1, q_2 then differ
     params, prompt, n = SamplingParams(temperature=1.0), [3, 5, 1, 6], 12000
-    out, stats = SpecDecoder(target, head, 2, stop_ids=[]).generate([prompt] * n, 3, params, seeds=list(range(n)))
+    dec = SpecDecoder(target, head, 2, stop_ids=[]) if tree is None else SpecDecoder(target, head, tree=tree, stop_ids=[])
+    out, stats = dec.generate([prompt] * n, 3, params, seeds=list(range(n)))
     assert 1.1 < stats.tau < 2.9  # drafts are accepted and rejected: both paths run
     toks = torch.tensor(out)  # (n, 3)
     with torch.no_grad():
@@ -254,8 +264,8 @@ def test_bad_input(tiny_target):
     head = head_for(tiny_target)
     with pytest.raises(SpecError, match="max_draft_tokens=3"):
         SpecDecoder(tiny_target, head, k=4)
-    with pytest.raises(SpecError, match="tree depth"):
-        SpecDecoder(tiny_target, head, tree=TreeShape(2, 2, 4))
+    with pytest.raises(SpecError, match="tree depth 4 is deeper"):
+        SpecDecoder(tiny_target, head, tree=TreeShape(2, 4, 8))
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 40])
@@ -308,3 +318,21 @@ def test_vllm_export_loads_in_vllms_dflash_model(tiny_target, tmp_path, draft_vo
     for name, t in want.items():  # vLLM pads lm_head's rows to a multiple of 64 (ParallelLMHead)
         assert got["params"][name][:t.numel()] == t.flatten().tolist(), name
         assert not any(got["params"][name][t.numel():]), name
+
+
+def test_tree_children_come_from_their_depths_position(target):
+    """A width-1 tree is the greedy chain; at width 2 the depth-d nodes are position d's top-2."""
+    head = head_for(target)
+    f = feats_of(target, head)
+    ones = torch.ones(3, 6, dtype=torch.bool)
+    chain, _ = head.draft(head.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], ones, 3, greedy)
+    tree = head.draft_tree(head.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], ones, TreeShape(1, 3, 3))
+    assert torch.equal(tree.tokens, chain) and tree.depth.tolist() == [[1, 2, 3]] * 3
+    seen = []
+    head.draft(head.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], ones, 3,
+               lambda logits: (seen.append(logits) or logits.argmax(-1), None))
+    wide = head.draft_tree(head.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], ones, TreeShape(2, 3, 14))
+    for b in range(3):
+        for d in (1, 2, 3):
+            nodes = wide.tokens[b][wide.depth[b] == d]
+            assert set(nodes.tolist()) <= set(seen[d - 1][b].topk(2).indices.tolist()), (b, d)

@@ -32,7 +32,9 @@ row). Each draft call appends the newly confirmed positions' K/V, then runs one 
 samples positions 1..k (k <= B-1) each from its own p̂_i. Position i's distribution does not depend
 on the drafts before it, so q_i is exactly what the rejection sampler needs: lossless at T = 0 and
 T > 0. Roll-back is free: the next call brings the features of the accepted positions only.
-Draft cost: one forward whatever k (EAGLE pays one per token).
+Draft cost: one forward whatever k (EAGLE pays one per token). Trees (draft.mode tree / hybrid):
+EAGLE-2's growth where a depth-d node's children are position d's top-k whatever its ancestors,
+from the same single forward; the loop's tree walk verifies any tree losslessly.
 
 Mask embedding: the references embed the mask slots with the target's embedding row of a reserved
 `mask_token_id` (Qwen3 has spare rows; SmolLM2's 49152 rows are all tokens). Ours is a trained
@@ -200,7 +202,6 @@ class DFlashHead(DraftVocab, DraftHead):
     family = "dflash"
     config_class = DFlashConfig
     topk_teacher = True  # the final hidden state is only the label
-    max_tree_depth = 0  # chains only (a tree over the block's per-position top-k is not built yet)
 
     def __init__(self, config: DFlashConfig, shared=None):
         super().__init__(config, shared)
@@ -356,9 +357,8 @@ class DFlashHead(DraftVocab, DraftHead):
         state.slot_valid = torch.cat([state.slot_valid, valid.bool()], dim=1)
         state.next_pos = state.next_pos + valid.long().sum(1)
 
-    @torch.no_grad()
-    def draft(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
-              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+    def block_logits(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int) -> Tensor:
+        """Consume the newly confirmed positions, run the block once: (B, k, N) logits of positions 1..k."""
         if k > self.max_draft_tokens:
             raise HeadError(f"dflash head with block_size {self.config.block_size} drafts at most "
                             f"{self.max_draft_tokens} tokens, asked for {k}")
@@ -367,14 +367,37 @@ class DFlashHead(DraftVocab, DraftHead):
         positions = state.next_pos[:, None] + torch.arange(self.config.block_size, device=pending.device)
         kv = [(c.k, c.v) for c in state.kv]
         h = self.run_blocks(pending[:, None], positions, kv, state.slot_valid[:, None])  # (B, block, H)
+        return self.vocab_logits(h[:, 1:k + 1])
+
+    @torch.no_grad()
+    def draft(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
+              sample: SampleFn) -> tuple[Tensor, Tensor | None]:
+        logits = self.block_logits(state, feats, next_tokens, valid, k)  # (B, k, N)
         tokens, probs = [], []
-        for i in range(1, k + 1):  # independent positions: q_i does not depend on the drafts before it
-            logits = self.vocab_logits(h[:, i])
-            tok, prob = sample(self.to_target_logits(logits) if self.has_draft_vocab else logits)
+        for i in range(k):  # independent positions: q_i does not depend on the drafts before it
+            tok, prob = sample(self.to_target_logits(logits[:, i]) if self.has_draft_vocab else logits[:, i])
             tokens.append(tok)
             probs.append(prob)
         return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
 
-    def draft_tree(self, state, feats, next_tokens, valid, shape):
-        raise HeadError("the dflash head drafts chains only (draft.mode: chain); a tree over the block's "
-                        "per-position top-k is not implemented")
+    # ---- tree drafting: the block's per-position top-k ----
+    @property
+    def max_tree_depth(self) -> int:
+        return self.max_draft_tokens
+
+    def tree_root(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> None:
+        """Feed the confirmed positions only (HybridDrafter's head-off steps keep the cache current)."""
+        self.consume(state, feats, valid)
+
+    @torch.no_grad()
+    def draft_tree(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor, shape):
+        """EAGLE-2's growth over the block's positions: a node at depth d scores its children with
+        position d's log-probabilities, whatever its ancestors (the block drafts them in parallel);
+        one head forward for the whole tree. The loop's tree walk verifies it losslessly."""
+        from draftkit.inference.tree import grow_tree
+
+        logp = torch.log_softmax(self.block_logits(state, feats, next_tokens, valid, shape.depth), -1)  # (B, D, N)
+        root = logp.new_zeros(logp.shape[0], 1)  # the tree carries no hidden state
+        return grow_tree(root, lambda h, d: logp[:, d - 1, None].expand(-1, h.shape[1], -1),
+                         lambda h, tokens, d, visible: h.new_zeros(*tokens.shape, 1), shape,
+                         self.draft_ids if self.has_draft_vocab else None)
