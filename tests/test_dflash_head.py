@@ -336,3 +336,41 @@ def test_tree_children_come_from_their_depths_position(target):
         for d in (1, 2, 3):
             nodes = wide.tokens[b][wide.depth[b] == d]
             assert set(nodes.tolist()) <= set(seen[d - 1][b].topk(2).indices.tolist()), (b, d)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_vllm_export_imports_back_and_reads_a_published_layout(tiny_target, tmp_path, draft_vocab):
+    """export -> import gives the same tensors and fields; a z-lab-style directory (no contract, no
+    mask_embedding) imports with the target's embedding row of mask_token_id as the mask vector."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from draftkit.export import ExportError, export_head, import_head
+
+    head = head_for(tiny_target, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        head.set_draft_vocab(tokens=batch(tiny_target, B=8, T=16)[0])
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "vllm", target=tiny_target)
+    back = load_head(import_head(out, "vllm", tmp_path / "back", target=tiny_target), tiny_target)
+    for name, t in head.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    for field in ("feature_layers", "block_size", "num_layers", "mask_token_id", "draft_vocab_size", "loss_decay_gamma"):
+        assert getattr(back.config, field) == getattr(head.config, field), field
+    # a published draft: config without our contract, weights without mask_embedding or mask_embedding.pt
+    pub = tmp_path / "published"
+    pub.mkdir()
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("draftkit_contract"), cfg.pop("draftkit_mask_embedding_in_weights")
+    (pub / "config.json").write_text(json.dumps(cfg))
+    state = load_file(out / "model.safetensors")
+    state.pop("mask_embedding")
+    save_file(state, pub / "model.safetensors")
+    with pytest.raises(ExportError, match="pass --target"):
+        import_head(pub, "vllm", tmp_path / "p0")
+    imported = load_head(import_head(pub, "vllm", tmp_path / "p1", target=tiny_target), tiny_target)
+    assert imported.feature_layers == head.feature_layers and imported.config.block_size == B
+    want = tiny_target.embed_tokens.weight[head.config.mask_token_id]
+    assert torch.equal(imported.mask_embedding.data, want.detach())
+    assert torch.equal(imported.fc.weight, head.fc.weight)

@@ -12,7 +12,10 @@ embed_tokens and lm_head are the target's (_maybe_share_lm_head, embed sharing),
 drafts over a reduced vocabulary: then lm_head.weight (N, H) holds the target's rows of the draft
 tokens and d2t (N,) the offsets (compute_logits: target id = draft id + d2t), draft_vocab_size N.
 The trained mask embedding goes to mask_embedding.pt ({"mask_token_id", "embedding"}, torch.save:
-_read_mask_embedding loads it with weights_only and substitutes it where the input id is the mask id).
+_read_mask_embedding loads it with weights_only and substitutes it where the input id is the mask id),
+and, for the import back, into the weights as `mask_embedding` (vLLM loads it as model.mask_embedding,
+the same values). Import also reads published z-lab drafts (no mask_embedding, no contract): their
+mask slots carry the target's embedding row of mask_token_id, which becomes our mask_embedding.
 """
 from __future__ import annotations
 
@@ -20,12 +23,14 @@ import io
 
 import torch
 
-from draftkit.export.formats import (Context, ExportError, Layout, Shapes, llama_config_out, llama_layer_shapes,
-                                     register)
+from draftkit.export.formats import (Context, ExportError, Layout, Shapes, llama_config_in,
+                                     llama_config_out, llama_layer_shapes, register)
+from draftkit.export.vllm import d2t_to_t2d
 
 NAMES = (("fc.", "fc."), ("hidden_norm.", "hidden_norm."), ("layers.{i}.", "layers.{i}."), ("norm.", "norm."),
-         ("lm_head.", "lm_head."), ("d2t", "d2t"))
+         ("lm_head.", "lm_head."), ("d2t", "d2t"), ("mask_embedding", "mask_embedding"))
 MASK_FILE = "mask_embedding.pt"
+MASK_IN_WEIGHTS = "draftkit_mask_embedding_in_weights"  # config key (vLLM keeps unknown keys, reads none)
 LAYERS = ("vLLM DFlash: dflash_config.target_layer_ids = the target layer whose output is read "
           "(= draftkit's id - 1); vLLM adds 1 (eagle3_utils.get_eagle3_aux_layers_from_config)")
 
@@ -45,6 +50,8 @@ def dflash_shapes(c: dict) -> Shapes:
     N = c.get("draft_vocab_size") or V
     if N != V:
         s.update({"lm_head.weight": (N, H), "d2t": (N,)})
+    if c.get(MASK_IN_WEIGHTS):  # ours: the trained mask vector, also in the weights (vLLM loads it
+        s["mask_embedding"] = (H,)  # as model.mask_embedding, the same values as mask_embedding.pt)
     return s
 
 
@@ -56,16 +63,16 @@ def config_out(n: dict, ctx: Context) -> dict:
     c = {**llama_config_out(n, n["num_layers"]), "model_type": "qwen3", "architectures": ["DFlashDraftModel"],
          "block_size": n["block_size"],
          "dflash_config": {"mask_token_id": n["mask_token_id"], "target_layer_ids": [i - 1 for i in layers]},
-         "num_target_layers": (n.get("target") or {}).get("num_layers")}
+         "num_target_layers": (n.get("target") or {}).get("num_layers"), MASK_IN_WEIGHTS: True}
     if n.get("draft_vocab_size"):
         c["draft_vocab_size"] = n["draft_vocab_size"]
     return c
 
 
 def tensors_out(state: dict, ctx: Context) -> dict:
-    """Drop mask_embedding (it goes to mask_embedding.pt) and, over the full vocabulary, d2t / t2d
-    (the identity); with a draft vocabulary store the target's lm_head rows vLLM reads."""
-    state = {k: v for k, v in state.items() if k not in ("mask_embedding", "t2d")}
+    """Drop t2d (vLLM skips it) and, over the full vocabulary, d2t (the identity); with a draft
+    vocabulary store the target's lm_head rows vLLM reads. mask_embedding stays (see dflash_shapes)."""
+    state = {k: v for k, v in state.items() if k != "t2d"}
     if not ctx.native.get("draft_vocab_size"):
         state.pop("d2t")
         return state
@@ -82,13 +89,49 @@ def files_out(state: dict, ctx: Context) -> dict[str, bytes]:
 
 
 def config_in(c: dict, ctx: Context) -> dict:
-    raise ExportError("importing vLLM's DFlash layout is not supported yet (the mask embedding, "
-                      "mask_embedding.pt, is not read back); keep the native head directory")
+    """Native fields of a vLLM-layout DFlash draft (ours, or a published z-lab one)."""
+    dc = c.get("dflash_config") or {}
+    causal = c.get("is_causal", dc.get("causal"))
+    if causal or dc.get("use_swa") or "sliding_attention" in (c.get("layer_types") or ()):
+        raise ExportError("config.json: causal or sliding-window draft layers; draftkit's DFlash layers are "
+                          "full and non-causal (bidirectional within the block)")
+    if c.get("target_hidden_size", c["hidden_size"]) != c["hidden_size"] or dc.get("attention_sink_bias"):
+        raise ExportError("config.json: target_hidden_size differs from hidden_size, or attention sinks: not "
+                          "draftkit's DFlash")
+    for key in ("mask_token_id", "target_layer_ids"):
+        if dc.get(key) is None:
+            raise ExportError(f"config.json: dflash_config.{key} is missing")
+    V, N = c["vocab_size"], c.get("draft_vocab_size") or c["vocab_size"]
+    return {**llama_config_in(c), "num_layers": c["num_hidden_layers"], "block_size": c.get("block_size", 16),
+            "mask_token_id": dc["mask_token_id"], "feature_layers": [i + 1 for i in dc["target_layer_ids"]],
+            "draft_vocab_size": N if N != V else None}
+
+
+def tensors_in(state: dict, ctx: Context) -> dict:
+    """Back to the native tensors: t2d from d2t (or the identity), lm_head rows checked against the
+    target's and dropped, and for a published draft (no mask_embedding) the target's embedding row."""
+    n, V = ctx.native, ctx.native["vocab_size"]
+    if "d2t" in state:
+        lm = state.pop("lm_head.weight")
+        t = ctx.need_target("checking the stored lm_head rows (draftkit's DFlash reads the target's)")
+        ids = torch.arange(state["d2t"].shape[0]) + state["d2t"].long()
+        if not torch.equal(lm, t.lm_head.weight.detach().cpu()[ids].to(lm.dtype)):
+            raise ExportError("lm_head.weight: not the target's rows of the draft tokens; draftkit's DFlash "
+                              "drafts with the target's frozen lm_head")
+        state["d2t"], state["t2d"] = state["d2t"].long(), d2t_to_t2d(state["d2t"], V)
+    else:
+        state["d2t"], state["t2d"] = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
+    if "mask_embedding" not in state:  # the z-lab convention: the target's row of mask_token_id
+        t = ctx.need_target("the draft embeds its mask slots with the target's embedding row")
+        state["mask_embedding"] = t.embed_tokens.weight.detach().cpu()[n["mask_token_id"]].to(state["fc.weight"].dtype)
+    return state
 
 
 register(Layout(
     format="vllm", family="dflash", source="vllm/model_executor/models/qwen3_dflash.py",
     names=NAMES, config_out=config_out, config_in=config_in, expected=dflash_shapes,
-    tensors_out=tensors_out, files_out=files_out, layer_ids_out=lambda ids: [i - 1 for i in ids],
+    optional=lambda c: {"mask_embedding": (c["hidden_size"],)},
+    tensors_out=tensors_out, tensors_in=tensors_in, files_out=files_out,
+    layer_ids_out=lambda ids: [i - 1 for i in ids], layer_ids_in=lambda ids: [i + 1 for i in ids],
     layer_convention=LAYERS,
     d2t_convention="offset: target_id = draft_id + d2t[draft_id] (qwen3_dflash.py compute_logits)"))

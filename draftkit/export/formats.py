@@ -543,6 +543,8 @@ def detect_family(fmt: str, cfg: dict) -> str:
         return {"eagle3": "eagle3", "mtp": "mtp", "eagle": "eagle"}.get(cfg["speculators_model_type"], cfg["speculators_model_type"])
     if cfg.get("model_type") == "medusa" or "medusa_num_heads" in cfg or "Medusa" in arch:
         return "medusa"
+    if "DFlash" in arch:
+        return "dflash"
     if "Eagle3" in arch or "draft_vocab_size" in cfg or fmt == "eagle3-official":
         return "eagle3"
     if "NextN" in arch or "MTP" in arch or cfg.get("model_type") in ("deepseek_mtp",):
@@ -561,7 +563,7 @@ def detect_format(directory: Path, cfg: dict) -> str:
     arch = " ".join(cfg.get("architectures") or [])
     if "LlamaForCausalLMEagle" in arch:
         return "sglang"
-    if arch.startswith("Eagle") or cfg.get("model_type") == "medusa":
+    if arch.startswith("Eagle") or arch.startswith("DFlash") or cfg.get("model_type") == "medusa":
         return "vllm"
     if "medusa_num_heads" in cfg:
         return "medusa-official"
