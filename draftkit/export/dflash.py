@@ -23,9 +23,8 @@ import io
 
 import torch
 
-from draftkit.export.formats import (Context, ExportError, Layout, Shapes, llama_config_in,
-                                     llama_config_out, llama_layer_shapes, register)
-from draftkit.export.vllm import d2t_to_t2d
+from draftkit.export.layout import Context, ExportError, Layout, Shapes, register
+from draftkit.export.llama_drafts import d2t_to_t2d, llama_config_in, llama_config_out, llama_layer_shapes
 
 NAMES = (("fc.", "fc."), ("hidden_norm.", "hidden_norm."), ("layers.{i}.", "layers.{i}."), ("norm.", "norm."),
          ("lm_head.", "lm_head."), ("d2t", "d2t"), ("mask_embedding", "mask_embedding"))
