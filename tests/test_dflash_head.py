@@ -374,3 +374,13 @@ def test_vllm_export_imports_back_and_reads_a_published_layout(tiny_target, tmp_
     want = tiny_target.embed_tokens.weight[head.config.mask_token_id]
     assert torch.equal(imported.mask_embedding.data, want.detach())
     assert torch.equal(imported.fc.weight, head.fc.weight)
+
+
+def test_draft_auto_measures_a_dflash_head_within_its_block(tiny_target):
+    """`draftkit eval --draft auto` (inference/cost.py) measures trees no deeper than the block."""
+    from draftkit.inference.cost import auto_draft
+
+    head = head_for(tiny_target)
+    chosen, report = auto_draft(tiny_target, head, LOOP_PROMPTS[:2], topks=(1, 2), max_budget=8, max_lookup=4,
+                                max_new_tokens=8)
+    assert 1 <= chosen.depth <= B - 1 and chosen.mode in ("chain", "tree", "hybrid", "lookup")
