@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from draftkit.inference.decoder import SpecDecoder, TargetCache, left_pad
+from draftkit.inference.cache import TargetCache, left_pad
+from draftkit.inference.decoder import SpecDecoder
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.tree import SOURCE_HEAD, SOURCE_LOOKUP, TreeShape
 
