@@ -533,11 +533,10 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
         share = (budget_s - (time.perf_counter() - t0)) / (len(temps) - ti)  # this temperature's seconds
         t_start = time.perf_counter()
         c = measure_costs(target, head, ctx, topks, depth, params, rounds=1, tick=bar.update)
-        one_round = time.perf_counter() - t_start
-        more = max(0, min(rounds - 1, int(0.25 * share / max(one_round / 2, 1e-3)) - 2))  # costs: <= 1/4 of the share
-        if more:
-            c2 = measure_costs(target, head, ctx, topks, depth, params, rounds=more, tick=bar.update, warmup=False)
-            c = _min_costs(c, c2)
+        one_round = 1e-3 * (sum(c.verify_ms.values()) + sum(c.draft_ms.values()) + c.plain_run_ms + c.plain_prefill_ms)
+        more = max(min(2, rounds - 1), min(rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))  # >= 3 rounds
+        c = _min_costs(c, measure_costs(target, head, ctx, topks, depth, params, rounds=more, tick=bar.update,
+                                        warmup=False))
         bar.update(rounds - 1 - more)
         probe = Candidate(topks[len(topks) // 2], min(3, depth), 16, max(LOOKUP_LENS))
         c.overhead_ms, c.lookup_ms = measure_loop(target, head, ctx, c, params, probe, base.lookup_ngram)
@@ -545,15 +544,18 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
         warnings += [f"T={T:g}: {w}" for w in check_costs(c)]
         costs[T] = c
         traces[T] = []
+        traced_s = 0.0
         for i, p in enumerate(prompts):
-            spent = time.perf_counter() - t_start
-            if traces[T] and spent + spent / (len(traces[T]) + 1) > share:
+            left = share - (time.perf_counter() - t_start)
+            if traces[T] and traced_s / len(traces[T]) > left:  # the next prompt would not fit
                 warnings.append(f"T={T:g}: calibration budget ({budget_s:.0f} s): traced {len(traces[T])} of "
                                 f"{len(prompts)} prompts")
                 bar.update(len(prompts) - i)
                 break
+            t_trace = time.perf_counter()
             traces[T].append(trace_prompt(target, head, p, max_new_tokens, params, seed + i, topks, depth,
                                           lookup_ngram=base.lookup_ngram))
+            traced_s += time.perf_counter() - t_trace
             bar.update(1)
         warnings += [f"T={T:g}: {w}" for w in check_plain(traces[T], c)]
     bar.close()
