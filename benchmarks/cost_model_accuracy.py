@@ -23,7 +23,7 @@ import torch
 
 from draftkit.heads.base import load_head
 from draftkit.inference.calibrate import calibration_prompts
-from draftkit.inference.cost import Candidate, auto_draft
+from draftkit.inference.cost import Candidate, auto_draft, predict, trace_prompt
 from draftkit.inference.decoder import SpecDecoder, plain_generate, stop_token_ids
 from draftkit.inference.evaluate import _prepare, read_prompt_file
 from draftkit.inference.report import _atomic_write
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget", type=float, default=None, help="calibration budget per temperature, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-own-traces", dest="own_traces", action="store_false",
+                    help="skip predicting from the measured prompts' own traces (the model's error alone)")
     ap.add_argument("--out", default="benchmarks/results/cost_model_accuracy.json")
     args = ap.parse_args(argv)
 
@@ -100,9 +102,7 @@ def main(argv=None) -> int:
     head = load_head(Path(args.head), target).to(dtype=target.dtype).eval()
     items, _ = _prepare(target, read_prompt_file(args.prompts), 16, args.max_new_tokens)
     calib = calibration_prompts(items, args.calibration)
-    calib_set = {tuple(p) for p in calib}
-    held = [it["ids"] for it in items if tuple(it["ids"]) not in calib_set]
-    held = held[:: max(1, len(held) // args.measure)][: args.measure]
+    held = calibration_prompts(items, args.measure, skip={tuple(p) for p in calib})  # balanced, disjoint
     result = {"head": args.head, "prompts": args.prompts, "calibration_prompts": len(calib),
               "measured_prompts": len(held), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -117,21 +117,32 @@ def main(argv=None) -> int:
         shapes = others(cal.rows, cal.choice)
         pred = {r["candidate"]: r["by_temperature"][f"{T:g}"] for r in cal.rows if r["candidate"] in shapes}
         got, plain_tps = measure(target, head, shapes, held, args.max_new_tokens, SamplingParams(T), args.seed + 1000)
+        # the same costs on the measured prompts' own traces: the model's error without the calibration
+        # prompts' sampling error (how far 8 prompts' tau is from 12 others')
+        depth = max(c.depth for r in cal.rows for c in [r["candidate"]])
+        own = [trace_prompt(target, head, p, args.max_new_tokens, SamplingParams(T), args.seed + 1000 + i,
+                            (1, 2, 4, 8), depth) for i, p in enumerate(held)] if args.own_traces else None
         run = {"temperature": T, "calibration_s": round(cal_s, 1), "chosen": chosen.describe(),
                "plain_chosen": cal.choice is None, "warnings": cal.warnings, "plain_tokens_per_s": plain_tps,
                "costs": chosen.measured.get("costs"), "shapes": []}
         for c in shapes:
             p, m = pred[c], got[c]
             err = p["speedup"] / m["speedup"] - 1
+            o = predict(own, cal.costs[T], c) if own else None
             run["shapes"].append({"shape": c.label(), "chosen": c == cal.choice, "predicted_speedup": p["speedup"],
                                   "measured_speedup": m["speedup"], "error": err, "predicted_tau": p["tau"],
-                                  "measured_tau": m["tau"], "within_10pct": abs(err) <= 0.10})
+                                  "measured_tau": m["tau"], "within_10pct": abs(err) <= 0.10,
+                                  "own_traces": o and {"tau": o["tau"], "speedup": o["speedup"],
+                                                       "error": o["speedup"] / m["speedup"] - 1}})
+            own_cells = f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%) |" \
+                if o else " - |"
             lines.append(f"| {T:g} | {c.label()}{' *' if c == cal.choice else ''} | {p['tau']:.2f} | {m['tau']:.2f} | "
-                         f"{p['speedup']:.2f}x | {m['speedup']:.2f}x | {100 * err:+.1f}% |")
+                         f"{p['speedup']:.2f}x | {m['speedup']:.2f}x | {100 * err:+.1f}% |{own_cells}")
         result["runs"].append(run)
         _atomic_write(Path(args.out), json.dumps(result, indent=2, default=str))
-    print("| T | shape (* = auto's choice) | tau predicted | tau measured | speedup predicted | measured | error |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | shape (* = auto's choice) | tau predicted | tau measured | speedup predicted | measured | error | "
+          "on the measured prompts' own traces: tau / speedup (error) |")
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
     print(f"wrote {args.out}")
     return 0

@@ -25,9 +25,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measuring rounds and prompts when over")
 
 
-def calibration_prompts(items: list[dict], n: int) -> list[list[int]]:
-    """n prompts spread over the list (every len/n-th), as token ids."""
-    return [it["ids"] for it in items[:: max(1, len(items) // max(n, 1))][:n]]
+def calibration_prompts(items: list[dict], n: int, skip: set | None = None) -> list[list[int]]:
+    """n prompts as token ids, taken in turn from each category (the list's order within one; all
+    one category when the prompts have none) and spread over each category's prompts, so that
+    the profile sees the mix the evaluation will see. `skip`: id tuples not to take."""
+    by_cat: dict[str, list[list[int]]] = {}
+    for it in items:
+        if skip is None or tuple(it["ids"]) not in skip:
+            by_cat.setdefault(it["category"], []).append(it["ids"])
+    cats = list(by_cat.values())
+    counts = [n // len(cats) + (i < n % len(cats)) for i in range(len(cats))]
+    picks = []
+    for j in range(max(counts, default=0)):  # round j: the j-th pick of every category that has one
+        for c, k in zip(cats, counts):
+            if j < min(k, len(c)):
+                picks.append(c[j * len(c) // k])
+    return picks
 
 
 def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n: int,
@@ -35,7 +48,7 @@ def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n
     """--draft auto on a head without a `draft:` section (or --draft calibrate): measure on n
     prompts spread over the list at settings' temperatures, choose the draft shape within the
     head's limits, print it with its prediction, and return it. A failure (a bad head, a setting
-    the head cannot draft) is reported as eval reports errors: one line, exit status 2."""
+    the head cannot draft) is raised as a SpecError naming calibration, for eval's error path."""
     from draftkit.heads.base import HeadError
     from draftkit.inference.decoder import SpecError
 
@@ -48,8 +61,7 @@ def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n
                                top_k=settings.top_k, top_p=settings.top_p,
                                max_new_tokens=min(MAX_CALIBRATION_TOKENS, settings.max_new_tokens),
                                budget_s=budget_s, seed=settings.seed, progress=progress)
-    except (SpecError, HeadError) as e:
-        print(f"draftkit eval: error: calibration: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from e
+    except HeadError as e:
+        raise SpecError(f"calibration: {e}") from e
     print(format_choice(chosen), file=sys.stderr, flush=True)
     return replace(chosen, measured={**chosen.measured, "calibration_prompts": len(calib)})

@@ -32,7 +32,6 @@ prediction exceeds PAYS the choice is plain decoding.
 """
 from __future__ import annotations
 
-import bisect
 import math
 import platform
 import time
@@ -153,6 +152,7 @@ def _sampled_pools(head, tc, positions, topks, depth, ids, valid, y, feats, para
     the one the head reads next)."""
     dev = ids.device
     states = {k: head.new_draft_state(1) for k in topks}
+    root_feat = feats
     for i, pos in enumerate(positions):
         step_feats = feats if i == 0 else root_feat
         for k in topks:
@@ -374,7 +374,8 @@ def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs]
     rows = []
     for c in cands:
         per_t = {t: predict(traces_by_t[t], costs_by_t[t], c) for t in traces_by_t}
-        rows.append({"candidate": c, "label": c.label(), "speedup": sum(p["speedup"] for p in per_t.values()) / len(per_t),
+        mean = sum(p["speedup"] for p in per_t.values()) / len(per_t)
+        rows.append({"candidate": c, "label": c.label(), "speedup": mean,
                      "by_temperature": {f"{t:g}": {key: round(v, 4) for key, v in p.items()} for t, p in per_t.items()}})
     rows.sort(key=lambda r: -r["speedup"])
     return (rows[0]["candidate"] if rows and rows[0]["speedup"] > pays else None), rows
@@ -481,8 +482,8 @@ def check_costs(costs: Costs) -> list[str]:
             out.append(f"verify cost falls with width ({a}: {costs.verify_ms[a]:.1f} ms, {b}: "
                        f"{costs.verify_ms[b]:.1f} ms): timings unstable (load on the machine?)")
     if costs.plain_step_ms <= 0 or costs.plain_step_ms > 2 * costs.verify_ms[ws[0]]:
-        out.append(f"plain step {costs.plain_step_ms:.1f} ms against a 1-token forward of {costs.verify_ms[ws[0]]:.1f} ms: "
-                   "timings unstable")
+        out.append(f"plain step {costs.plain_step_ms:.1f} ms against a 1-token forward of "
+                   f"{costs.verify_ms[ws[0]]:.1f} ms: timings unstable")
     return out
 
 
