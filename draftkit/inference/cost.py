@@ -43,7 +43,7 @@ from draftkit.inference.decoder import SpecDecoder, TargetCache, left_pad, plain
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators
-from draftkit.inference.tree import DraftTree, TreeShape, tree_noise
+from draftkit.inference.tree import DraftTree, TreeShape, add_branches, tree_noise
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80)
 BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -420,6 +420,8 @@ def measure_costs(target, head, context: list[int], topks, depth: int, params: S
             items[("draft", k, d)] = (lambda k=k, d=d: head.draft_tree(state, one_f, one_t, one_v, TreeShape(k, d, k)))
     items["consume"] = lambda: head.tree_root(state, one_f, one_t, one_v)
     items["head_prefill"] = lambda: head.tree_root(head.new_draft_state(1), feats, nxt, valid)
+    lookup, tree = NgramDrafter(), head.draft_tree(state, one_f, one_t, one_v, TreeShape(4, min(3, depth), 16))
+    items["lookup"] = lambda: add_branches(tree, [lookup.propose(context, max(LOOKUP_LENS))])  # HybridDrafter's extra
     items["plain1"] = lambda: plain_generate(target, [context], 1, params, [0], [])
     items["plainN"] = lambda: plain_generate(target, [context], 1 + plain_tokens, params, [0], [])
     rows = 10
@@ -430,7 +432,7 @@ def measure_costs(target, head, context: list[int], topks, depth: int, params: S
     return Costs({w: ms[("verify", w)] for w in widths}, {key[1:]: v for key, v in ms.items() if key[0] == "draft"},
                  ms["consume"], (ms["plainN"] - ms["plain1"]) / plain_tokens, ms["plain1"], ms["head_prefill"],
                  noise_ms_per_row=ms.get("noise", 0.0) / rows, temperature=float(params.temperature),
-                 plain_run_ms=ms["plainN"], plain_tokens=plain_tokens)
+                 plain_run_ms=ms["plainN"], plain_tokens=plain_tokens, lookup_ms=ms["lookup"])
 
 
 def _verify_fn(tc: TargetCache, token: int, w: int):
@@ -449,23 +451,26 @@ def _verify_fn(tc: TargetCache, token: int, w: int):
 
 @torch.inference_mode()
 def measure_loop(target, head, context: list[int], costs: Costs, params: SamplingParams, c: Candidate,
-                 lookup_ngram: int = 3, tokens: int = 24, rounds: int = 2) -> tuple[float, float]:
-    """Run the real loop with c (head drafting every step) and return (overhead_ms, lookup_ms): what
-    its steps cost beyond the timed forward, drafting and noise (minimum over rounds)."""
+                 lookup_ngram: int = 3, tokens: int = 32, rounds: int = 2) -> float:
+    """Run the real loop with c (head drafting every step) and return its overhead_ms: the median
+    over steps of each step's wall time (observer to observer) beyond the timed forward, drafting,
+    lookup and noise. The median, as the parts are minima: a step slowed by another process must
+    not count as overhead."""
     from draftkit.inference.drafters import HybridDrafter
 
     drafter = HybridDrafter(head, NgramDrafter(max_n=lookup_ngram), c.lookup_len)
     dec = SpecDecoder(target, drafter, tree=TreeShape(c.topk, c.depth, c.budget), stop_ids=[])
-    widths: list[int] = []
-    dec.observer = lambda tree, verdict: widths.append(int((tree.tokens[0] >= 0).sum()) + 1)
-    over = extra = math.inf
+    seen: list[tuple[float, int]] = []  # (time, verify width) at each step's walk
+    dec.observer = lambda tree, verdict: seen.append((time.perf_counter(), int((tree.tokens[0] >= 0).sum()) + 1))
+    noise = costs.noise_ms_per_row * (dec.k + 1) if not params.greedy else 0.0
+    fixed = costs.draft_ms[(c.topk, c.depth)] + costs.lookup_ms + noise
+    residuals = []
     for _ in range(rounds):
-        widths.clear()
-        _, st = dec.generate([context], tokens, params, [0])
-        noise = costs.noise_ms_per_row * (dec.k + 1) if not params.greedy else 0.0
-        over = min(over, (1e3 * st.verify_s - sum(map(costs.verify, widths))) / st.steps - noise)
-        extra = min(extra, (1e3 * st.draft_s - costs.head_prefill_ms) / st.steps - costs.draft_ms[(c.topk, c.depth)])
-    return over, max(extra, 0.0)
+        seen.clear()
+        dec.generate([context], tokens, params, [0])
+        residuals += [1e3 * (t1 - t0) - costs.verify(w) - fixed for (t0, _), (t1, w) in zip(seen, seen[1:])]
+    residuals.sort()
+    return residuals[len(residuals) // 2] if residuals else 0.0
 
 
 def check_costs(costs: Costs) -> list[str]:
@@ -540,7 +545,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
                                         warmup=False))
         bar.update(rounds - 1 - more)
         probe = Candidate(topks[len(topks) // 2], min(3, depth), 16, max(LOOKUP_LENS))
-        c.overhead_ms, c.lookup_ms = measure_loop(target, head, ctx, c, params, probe, base.lookup_ngram)
+        c.overhead_ms = measure_loop(target, head, ctx, c, params, probe, base.lookup_ngram)
         bar.update(1)
         warnings += [f"T={T:g}: {w}" for w in check_costs(c)]
         costs[T] = c
@@ -578,7 +583,7 @@ def _min_costs(a: Costs, b: Costs) -> Costs:
     """Element-wise minimum of two measurements of the same costs (the plain step: the difference
     of the minimum runs)."""
     low = {f: min(getattr(a, f), getattr(b, f)) for f in ("consume_ms", "plain_prefill_ms", "head_prefill_ms",
-                                                          "noise_ms_per_row", "plain_run_ms")}
+                                                          "noise_ms_per_row", "plain_run_ms", "lookup_ms")}
     return replace(a, verify_ms={w: min(a.verify_ms[w], b.verify_ms[w]) for w in a.verify_ms},
                    draft_ms={key: min(a.draft_ms[key], b.draft_ms[key]) for key in a.draft_ms}, **low,
                    plain_step_ms=(low["plain_run_ms"] - low["plain_prefill_ms"]) / a.plain_tokens)
