@@ -50,7 +50,7 @@ def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n
     head's limits, print it with its prediction, and return it. A failure (a bad head, a setting
     the head cannot draft) is raised as a SpecError naming calibration, for eval's error path."""
     from draftkit.heads.base import HeadError
-    from draftkit.inference.decoder import SpecError
+    from draftkit.inference.errors import SpecError
 
     try:
         items, _ = _prepare(target, prompts, 16, settings.max_new_tokens)

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from draftkit.inference.decoder import SpecDecoder, TargetCache, left_pad, plain_generate
+from draftkit.inference.cache import TargetCache, left_pad
+from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators
