@@ -9,7 +9,8 @@ For each architecture and head family:
    and a ragged batch with a head fitted to those continuations, chain, tree and hybrid: drafts are
    accepted (tau >= 1.5, depth >= 2 in trees) and rejected, and on the sliding-window targets a
    verify window is seen reaching past a rolled-back hole or a dropped branch (counted, asserted);
-4. every export writes a layout the engine loads for that architecture, or refuses naming why.
+4. every export writes the names and shapes the engine's loader reads for that architecture (for a llama
+   target, vLLM's exports are loaded by the real engine in tests/test_engine_vllm.py), or refuses naming why.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ Modes:
            positions and lookup's branch is verified alone (the head's tree would cost its
            drafting for little: lookup's long matches are accepted far more often).
   lookup   prompt lookup alone (no head): a chain of lookup_len tokens
+  plain    no drafting: plain decoding (what auto chooses where no shape pays on the machine)
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.tree import SOURCE_LOOKUP, DraftTree, TreeShape, add_branches
 
-MODES = ("chain", "tree", "hybrid", "lookup")
+MODES = ("chain", "tree", "hybrid", "lookup", "plain")
 
 
 class DraftSettingsError(SpecError):
@@ -89,6 +90,8 @@ class DraftSettings:
         return TreeShape(self.topk, self.depth, self.budget)
 
     def describe(self) -> str:
+        if self.mode == "plain":
+            return "plain decoding (no drafting)"
         if self.mode == "chain":
             return f"chain k={self.k}" + (", greedy drafts (q one-hot)" if self.draft_sampling == "greedy" else "")
         if self.mode == "lookup":
@@ -101,6 +104,8 @@ class DraftSettings:
 
     def decoder_args(self, head) -> tuple[Any, dict]:
         """(drafter, SpecDecoder keyword arguments) for this mode over `head` (None: lookup)."""
+        if self.mode == "plain":
+            raise DraftSettingsError("draft mode plain drafts nothing: decode with plain_generate")
         lookup = NgramDrafter(max_n=self.lookup_ngram)
         if self.mode == "lookup" or head is None:
             return lookup, {"k": self.lookup_len}

@@ -175,7 +175,7 @@ class EvalSettings:
 
 
 METHODS = ("plain", "lookup", "head", "hybrid")
-MAIN_OF_MODE = {"chain": "head", "tree": "head", "hybrid": "hybrid", "lookup": "lookup"}
+MAIN_OF_MODE = {"chain": "head", "tree": "head", "hybrid": "hybrid", "lookup": "lookup", "plain": "plain"}
 
 
 def legacy_settings(k: int | None = None, temperatures=None, baseline: bool = True, ngram: bool = True,
@@ -372,6 +372,8 @@ def _summary(totals: dict, main: str) -> dict:
     methods = {name: _method_summary(st, plain) for name, st in totals.items()
                if name != "plain" and not isinstance(st, (int, PlainStats))}
     s: dict = dict(methods.get(main, {}))
+    if main == "plain" and plain is not None:  # plain decoding chosen: one token per forward, by definition
+        s.update(tau=1.0, tokens_per_s=plain.tokens_per_s, speedup=1.0)
     if plain is not None:
         s.update(baseline_tokens_per_s=plain.tokens_per_s, plain_ms_per_step=1e3 * plain.total_s / max(plain.steps, 1))
     else:
