@@ -326,21 +326,3 @@ def draw(logits: Tensor, params: SamplingParams, noise: Tensor | None) -> Tensor
     if params.greedy:
         return logits.argmax(-1)
     return race_sample(logits_to_probs(logits, params), noise)
-
-
-def accept_tree_loop(tree: DraftTree, logits: Tensor, params: SamplingParams, noise: Tensor | None) -> list[list[int]]:
-    """The obviously-correct oracle of accept_tree: per row, emitted tokens as a list."""
-    outs = []
-    for b in range(tree.tokens.shape[0]):
-        node, emitted, j = -1, [], 0
-        while True:
-            row = logits[b, node + 1][None]
-            t = int(draw(row, params, None if noise is None else noise[b, j][None])[0])
-            emitted.append(t)
-            child = [i for i in range(tree.tokens.shape[1])
-                     if int(tree.tokens[b, i]) >= 0 and int(tree.parents[b, i]) == node and int(tree.tokens[b, i]) == t]
-            if not child:
-                break
-            node, j = child[0], j + 1
-        outs.append(emitted)
-    return outs
