@@ -16,8 +16,10 @@ import torch
 from draftkit.cli import main as cli
 from draftkit.heads import build_head
 from draftkit.inference.decoder import SpecError
-from draftkit.inference.evaluate import evaluate, read_prompt_file
+from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.evaluate import EvalSettings, evaluate, read_prompt_file
 from draftkit.inference.report import format_table, write_report
+from tests.conftest import LOOP_PROMPTS, fit_on_greedy_continuations
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KEYS = ("tau", "acceptance_per_position", "tokens_per_s", "baseline_tokens_per_s", "speedup",
@@ -25,6 +27,12 @@ KEYS = ("tau", "acceptance_per_position", "tokens_per_s", "baseline_tokens_per_s
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def chain(k: int | None = None, compare=("plain", "lookup"), **fields) -> EvalSettings:
+    """EvalSettings of a chain of k (lookup's chain as long) beside `compare`; k None: the default hybrid."""
+    draft = DraftSettings(mode="chain", k=k, lookup_len=k) if k is not None else DraftSettings()
+    return EvalSettings(draft=draft, compare=tuple(compare), **fields)
 
 
 def chat_target(seed=0):
@@ -57,10 +65,21 @@ def saved(tmp_path_factory, target):
     return root
 
 
+@pytest.fixture(scope="module")
+def fitted(target):
+    """An EAGLE head trained on the target's greedy continuations of LOOP_PROMPTS (conftest): its
+    drafts are accepted there (tau well above 1), so equality checks run where the loop commits
+    accepted drafts and rolls back the rest."""
+    torch.manual_seed(0)
+    head = build_head({"type": "eagle"}, target)
+    fit_on_greedy_continuations(target, head, steps=200)
+    return head.eval()
+
+
 def test_evaluate_report(target, tmp_path):
     prompts = read_prompt_file(FIXTURES / "data" / "mtbench.jsonl") + read_prompt_file(FIXTURES / "data" / "prompt.jsonl")
     head = build_head({"type": "eagle"}, target)
-    rep = evaluate(target, head, prompts, k=3, temperatures=(0.0, 0.7), max_new_tokens=12, batch_size=2)
+    rep = evaluate(target, head, prompts, chain(3, temperatures=(0.0, 0.7), max_new_tokens=12, batch_size=2))
     assert all(key in rep for key in KEYS)
     assert rep["status"] == "complete" and rep["num_prompts"] == 4 and rep["k"] == 3 and rep["temperature"] == 0.0
     assert rep["greedy_mismatches"] == 0 and rep["ngram_greedy_mismatches"] == 0
@@ -72,7 +91,10 @@ def test_evaluate_report(target, tmp_path):
     assert set(rep["per_category"]) == {"writing", "math", "all"}
     assert rep["per_category"]["math"]["num_prompts"] == 1
     assert [r["temperature"] for r in rep["runs"]] == [0.0, 0.7] and rep["runs"][1]["greedy_mismatches"] is None
-    assert rep["speedup"] > 0 and rep["ngram"] == rep["methods"]["lookup"]
+    # speedup is the ratio of the two tokens/s this report states, the main method's and lookup's alike
+    assert rep["speedup"] == rep["tokens_per_s"] / rep["baseline_tokens_per_s"]
+    lookup = rep["methods"]["lookup"]
+    assert lookup["speedup"] == lookup["tokens_per_s"] / rep["baseline_tokens_per_s"] and rep["ngram"] == lookup
     paths = write_report(rep, tmp_path)
     names = {p.name for p in paths}
     assert {"report.json", "report.md"} <= names
@@ -82,9 +104,35 @@ def test_evaluate_report(target, tmp_path):
     assert "tau" in format_table(rep) and "| T |" in (tmp_path / "report.md").read_text()
 
 
+def test_greedy_check_where_drafts_are_accepted(target, fitted, monkeypatch):
+    """T = 0 with a fitted head: every method equals plain decoding while its drafts are accepted
+    (tau > 1.5), and a wrong token in any method's output is reported as that method's mismatch
+    at the position it was planted."""
+    from draftkit.inference.decoder import SpecDecoder
+
+    s = EvalSettings(draft=DraftSettings(mode="hybrid", topk=2, depth=3, budget=6, lookup_len=4), max_new_tokens=12)
+    rep = evaluate(target, fitted, LOOP_PROMPTS, s)
+    assert rep["status"] == "complete" and rep["main"] == "hybrid"
+    for name in ("lookup", "head", "hybrid"):
+        m = rep["methods"][name]
+        assert m["greedy_mismatches"] == 0, name
+        assert m["speedup"] == m["tokens_per_s"] / rep["baseline_tokens_per_s"], name
+    assert rep["methods"]["head"]["tau"] > 1.5 and rep["methods"]["hybrid"]["tau"] > 1.5, rep["methods"]
+    real = SpecDecoder.generate
+
+    def one_wrong_token(self, *args, **kwargs):  # the 6th new token of every row is off by one (not the warm-up's 4)
+        outs, stats = real(self, *args, **kwargs)
+        return [o[:5] + [(o[5] + 1) % target.vocab_size] + o[6:] if len(o) > 5 else o for o in outs], stats
+    monkeypatch.setattr(SpecDecoder, "generate", one_wrong_token)
+    rep = evaluate(target, fitted, LOOP_PROMPTS, s)
+    for name, prefix in (("hybrid", "greedy"), ("lookup", "ngram_greedy"), ("head", "head_greedy")):
+        assert rep["methods"][name]["greedy_mismatches"] == len(LOOP_PROMPTS), name
+        assert [d["index"] for d in rep[f"{prefix}_divergences"]] == [5] * len(LOOP_PROMPTS), name
+
+
 def test_training_time_mode_is_cheap(target):
     head = build_head({"type": "eagle"}, target)
-    rep = evaluate(target, head, ["Say hi.", [5, 6, 7, 8]], k=2, max_new_tokens=6, baseline=False, ngram=False)
+    rep = evaluate(target, head, ["Say hi.", [5, 6, 7, 8]], chain(2, (), max_new_tokens=6))
     assert rep["status"] == "complete" and rep["num_prompts"] == 2
     assert list(rep["methods"]) == ["head"] and len(rep["acceptance_per_position"]) == 2
     assert rep["speedup"] is None and rep["greedy_mismatches"] is None and "ngram" not in rep
@@ -125,12 +173,14 @@ def test_bad_input(target, tmp_path):
         read_prompt_file(empty)
     head = build_head({"type": "eagle"}, target)
     long_prompt = list(range(3, 250))
-    rep = evaluate(target, head, [long_prompt, "Hello there."], k=2, max_new_tokens=8, baseline=False, ngram=False)
+    rep = evaluate(target, head, [long_prompt, "Hello there."], chain(2, (), max_new_tokens=8))
     assert rep["num_prompts"] == 1 and "too long" in rep["skipped"][0]["reason"]
     with pytest.raises(SpecError, match="no prompt fits"):
-        evaluate(target, head, [long_prompt], k=2, max_new_tokens=8)
-    with pytest.raises(SpecError, match="k"):
-        evaluate(target, head, ["Hi"], k=0)
+        evaluate(target, head, [long_prompt], chain(2, max_new_tokens=8))
+    with pytest.raises(SpecError, match="draft.k must be an integer >= 1"):
+        evaluate(target, head, ["Hi"], chain(0))
+    with pytest.raises(SpecError, match="settings must be an EvalSettings"):
+        evaluate(target, head, ["Hi"], {"k": 2})  # the keyword form is gone; a dict is refused, named
 
 
 def test_failure_midway_leaves_a_partial_report(target, tmp_path):
@@ -146,14 +196,14 @@ def test_failure_midway_leaves_a_partial_report(target, tmp_path):
 
     head.draft = flaky
     prompts = [[5, 6, 7, 8 + i] for i in range(6)]
-    rep = evaluate(target, head, prompts, k=2, max_new_tokens=4, raise_errors=False)
+    rep = evaluate(target, head, prompts, chain(2, max_new_tokens=4, raise_errors=False))
     assert rep["status"] == "partial" and "simulated" in rep["error"]
     assert 0 < rep["runs"][0]["done_prompts"] < 6 and rep["steps"] > 0
     paths = write_report(rep, tmp_path)
     assert json.loads(paths[0].read_text())["status"] == "partial"
     with pytest.raises(RuntimeError):
         calls["n"] = 0
-        evaluate(target, head, prompts, k=2, max_new_tokens=4)
+        evaluate(target, head, prompts, chain(2, max_new_tokens=4))
 
 
 def test_cli(saved, tmp_path, capsys):
@@ -202,11 +252,11 @@ def test_eval_on_the_embedded_target(tmp_path):
 
 
 def test_ngram_only_without_a_head(target):
-    rep = evaluate(target, None, ["Repeat: a b c a b c a b c", "Count to five."], k=3, max_new_tokens=10)
+    rep = evaluate(target, None, ["Repeat: a b c a b c a b c", "Count to five."], chain(3, max_new_tokens=10))
     assert rep["drafter"] == "ngram" and rep["greedy_mismatches"] == 0 and list(rep["methods"]) == ["lookup"]
     assert rep["main"] == "lookup" and rep["num_prompts"] == 2
     with pytest.raises(SpecError, match="nothing to evaluate"):
-        evaluate(target, None, ["Hi"], ngram=False)
+        evaluate(target, None, ["Hi"], chain(None, ("plain",)))
 
 
 def test_synthesized_prompts_are_user_turns(target, monkeypatch):
@@ -236,8 +286,8 @@ def test_typical_acceptance_is_reported_as_lossy(target, tmp_path, capsys):
     """--acceptance typical: the report names the rule and says LOSSY; the T = 0 check still runs."""
     head = build_head({"type": "medusa", "num_heads": 3}, target)
     prompts = ["Say hi.", [5, 6, 7, 8]]
-    rep = evaluate(target, head, prompts, k=3, temperatures=(0.0, 0.7), max_new_tokens=8, ngram=False,
-                   acceptance="typical", typical_epsilon=0.1, typical_delta=0.25)
+    rep = evaluate(target, head, prompts, chain(3, ("plain",), temperatures=(0.0, 0.7), max_new_tokens=8,
+                                                acceptance="typical", typical_epsilon=0.1, typical_delta=0.25))
     assert rep["status"] == "complete" and rep["acceptance"] == "typical (lossy, eps=0.1, delta=0.25)"
     assert rep["lossless"] is False and rep["greedy_mismatches"] is not None  # reported, whatever it is
     write_report(rep, tmp_path / "typ")
@@ -247,11 +297,11 @@ def test_typical_acceptance_is_reported_as_lossy(target, tmp_path, capsys):
     assert "typical (lossy" in table and "LOSSY" in table
     assert json.loads((tmp_path / "typ" / "report.json").read_text())["acceptance"].startswith("typical (lossy")
     # the default: lossless rejection sampling, said so
-    rep = evaluate(target, head, prompts, k=3, max_new_tokens=8, baseline=False, ngram=False)
+    rep = evaluate(target, head, prompts, chain(3, (), max_new_tokens=8))
     assert rep["acceptance"] == "rejection (lossless)" and rep["lossless"] is True
     assert "rejection (lossless)" in format_table(rep) and "LOSSY" not in format_table(rep)
     with pytest.raises(SpecError, match="acceptance must be one of"):
-        evaluate(target, head, prompts, acceptance="lossy")
+        evaluate(target, head, prompts, chain(acceptance="lossy"))
 
 
 def test_cli_acceptance(saved, tmp_path, capsys):
@@ -267,14 +317,12 @@ def test_cli_acceptance(saved, tmp_path, capsys):
     assert "typical_delta" in capsys.readouterr().err
 
 
-def test_side_by_side_head_lookup_hybrid(target, tmp_path):
+def test_side_by_side_head_lookup_hybrid(target, fitted, tmp_path):
     """One interleaved run of plain, lookup, the head's tree and the hybrid: every method lossless
-    at T = 0, per category too, accepted tokens attributed to their source, the plot drawn."""
-    from draftkit.inference.drafters import DraftSettings
-    from draftkit.inference.evaluate import EvalSettings
-
-    head = build_head({"type": "eagle"}, target).eval()
-    prompts = read_prompt_file(FIXTURES / "data" / "mtbench.jsonl") + [[5, 6, 7, 5, 6, 7, 5, 6]]
+    at T = 0 with a fitted head whose drafts are accepted, per category too, accepted tokens
+    attributed to their source, the plot drawn."""
+    head = fitted
+    prompts = read_prompt_file(FIXTURES / "data" / "mtbench.jsonl") + [[5, 6, 7, 5, 6, 7, 5, 6]] + LOOP_PROMPTS
     s = EvalSettings(draft=DraftSettings(mode="hybrid", topk=2, depth=3, budget=6, lookup_len=4),
                      temperatures=(0.0, 0.7), max_new_tokens=12)
     rep = evaluate(target, head, prompts, s)
@@ -287,6 +335,8 @@ def test_side_by_side_head_lookup_hybrid(target, tmp_path):
     assert set(rep["methods"]["lookup"]["accepted_by_source"]) <= {"lookup"}
     assert set(rep["methods"]["head"]["accepted_by_source"]) <= {"head"}
     assert set(rep["per_category"]["math"]["methods"]) == {"lookup", "head", "hybrid"}
+    assert rep["per_category"]["all"]["methods"]["hybrid"]["tau"] > 1.5  # LOOP_PROMPTS: drafts accepted
+    assert rep["methods"]["head"]["accepted_by_source"].get("head", 0) > 10  # the fitted head's, not lookup's
     assert rep["runs"][1]["methods"]["hybrid"]["tau"] == rep["runs"][1]["tau"]
     paths = write_report(rep, tmp_path)
     md = (tmp_path / "report.md").read_text()
