@@ -266,7 +266,7 @@ def decide_draft(args, head, head_dir, head_cfg, target) -> tuple[DraftSettings,
         draft = replace(draft, mode="chain", chosen_by="user (typical acceptance is chain-only)")
         return draft, "--acceptance typical (chain-only)", False
     if head is None:
-        return draft, "flags" if given_sizes(args) else "defaults (no head: lookup)", False
+        return draft, "flags" if given_sizes(args) else "defaults: no head, lookup alone", False
     if from_flags:
         return draft, f"flags (unset sizes from {source})" if saved else "flags", False
     return draft, source, measure
