@@ -209,9 +209,9 @@ def read_draft_file(path: str | Path) -> dict:
     try:
         record = json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise DraftSettingsError(f"--draft-from {p}: not valid JSON: {e}") from e
+        raise DraftSettingsError(f"{p}: not valid JSON: {e}") from e
     if not isinstance(record, dict) or not isinstance(record.get("draft"), dict):
-        raise DraftSettingsError(f"--draft-from {p}: no `draft` object (expected eval's draft.json or report.json)")
+        raise DraftSettingsError(f"{p}: no `draft` object (expected draftkit eval's draft.json or report.json)")
     DraftSettings.from_dict(record["draft"], f"{p} draft")  # a clear error now, naming the file and field
     return {**record, "path": str(p)}
 
