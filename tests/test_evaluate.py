@@ -594,3 +594,15 @@ def test_cli_dtype_auto(saved, tmp_path, caplog):
     assert rep["dtype"] == dtype and rep["dtype_choice"] == why and "cpu flags:" in why
     assert f"target {why}" in caplog.messages  # the one line the user sees
     assert why in (tmp_path / "a" / "report.md").read_text()
+
+
+def test_a_saved_choice_is_reused_only_for_the_setup_it_was_measured_on(target, tmp_path):
+    """--out/draft.json is reused for the same head directory, target (fingerprint), dtype and
+    device only; any of them different means it was measured for something else."""
+    from draftkit.inference.cli_eval import draft_record, same_setup
+
+    rec = json.loads(json.dumps(draft_record(DraftSettings(), tmp_path / "head", target)))
+    assert same_setup(rec, tmp_path / "head", target) and same_setup(rec, tmp_path / "x" / ".." / "head", target)
+    assert not same_setup(rec, tmp_path / "other-head", target)
+    for key, value in (("dtype", "float16"), ("device", "cuda:0"), ("target", {"fingerprint": "0" * 16})):
+        assert not same_setup({**rec, key: value}, tmp_path / "head", target), key
