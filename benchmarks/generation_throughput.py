@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from draftkit.attention import register as register_gqa_attention
-from draftkit.distill import GenerationSettings, PromptSource, load_prompts, synthesize_prompts
+from draftkit.distill import GenerationSettings, PromptSource, SynthesisSettings, load_prompts, synthesize_prompts
 from draftkit.distill.refill import generate_refill
 from draftkit.distill.regenerate import chat_ids, generate_batch
 from draftkit.target import load_target
@@ -42,7 +42,7 @@ def load_bench_prompts(model, tok, n: int, path: str | None = None):
     files = sorted((ROOT.parent / "shared" / "data" / "train").glob("*.jsonl"))
     if files:
         return load_prompts([PromptSource(str(f)) for f in files], limit=n, seed=0), "shared/data/train"
-    return synthesize_prompts(model, tok, n, batch_size=min(n, 32), max_new_tokens=96), "magpie"
+    return synthesize_prompts(model, tok, n, SynthesisSettings(batch_size=min(n, 32), max_new_tokens=96)), "magpie"
 
 
 def run(model, tok, prompts, batch_size: int, max_new_tokens: int, scheduler: str = "batch") -> dict:

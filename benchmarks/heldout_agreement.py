@@ -27,7 +27,7 @@ from draftkit.heads.base import load_head
 from draftkit.target import load_target
 from draftkit.train.data import FeatureStore
 from draftkit.train.deepspeed_config import head_autocast
-from draftkit.train.loop import TrainWrapper, heldout_sums, samples_needed
+from draftkit.train.loop import TrainWrapper, heldout_sums
 
 
 def agreement(head, samples: list[dict], target, pad_id: int, autocast, micro: int) -> dict:
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     t = recipe.target
     target = load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype, trust_remote_code=t.trust_remote_code)
     micro = recipe.train.micro_batch_size
-    out = finished(recipe, target, samples_needed(recipe, micro))
+    out = finished(recipe, target, recipe.samples_needed(micro))
     if out is None:
         sys.exit(f"{a.recipe}: stage 1 is not finished for these settings; run `draftkit prepare {a.recipe} "
                  f"{' '.join(a.overrides)}` first")

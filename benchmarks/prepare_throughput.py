@@ -66,10 +66,9 @@ def bench_samples(args, recipe, target) -> tuple[list[dict], str]:
     directory = Path(args.prepared).expanduser() if args.prepared else None
     if directory is None:
         from draftkit.train.deepspeed_config import build_deepspeed_config
-        from draftkit.train.loop import samples_needed
 
         ds = build_deepspeed_config(recipe, 1, torch.cuda.is_available())
-        directory = finished(recipe, target, samples_needed(recipe, ds["train_batch_size"]))
+        directory = finished(recipe, target, recipe.samples_needed(ds["train_batch_size"]))
         if directory is None:
             sys.exit(f"error: {args.recipe}'s data is not prepared: run `draftkit prepare {args.recipe}` "
                      "first, or pass --prepared DIR or --prompts FILE")

@@ -1,6 +1,9 @@
 """Recipes: YAML in, typed dataclasses out, with dotted-path errors and `a.b=c` overrides.
 
-A recipe is a tree of dataclasses. Every field is documented where it is defined. Loading checks
+A recipe is a tree of dataclasses, all of them here (the settings of each distillation step too:
+data.sources, data.synthesize, data.responses, data.grounded), so that reading this one file tells
+every key a recipe can hold, and importing it costs neither torch nor draftkit.distill: the code
+that runs a setting imports it from here. Every field is documented where it is defined. Loading checks
 every key against the dataclass it lands in, so a typo fails with its dotted path and the allowed
 names instead of being silently ignored. The `head` section is open-ended: its `type` picks a head
 family and the rest is validated against that family's own config dataclass (see heads/registry).
@@ -10,16 +13,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from draftkit.distill.grounded import GroundedSettings
-from draftkit.distill.regenerate import GenerationSettings
-from draftkit.distill.sources import PromptSource
-from draftkit.distill.synthesize import SynthesisSettings
 from draftkit.schema import ConfigError, apply_override, from_dict, parse_override
 
 
@@ -42,6 +42,119 @@ class TargetConfig:
     trust_remote_code: bool = False
 
 
+# ---------------------------------------------------------------------------------------------
+# The settings of each distillation step (data.*; the code that runs them is in draftkit/distill/)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PromptSource:
+    # A JSON/JSONL file, a directory written by `Dataset.save_to_disk`, or a `datasets` hub id.
+    path: str
+    # Relative share of this source when `load_prompts` is given a limit (ignored without one).
+    weight: float = 1.0
+    # Split to read from a hub dataset or a saved DatasetDict (JSON files always read "train").
+    split: str = "train"
+    # Hub dataset configuration name (the `name` argument of `datasets.load_dataset`).
+    name: str | None = None
+    # Read the dataset as a stream (`datasets.load_dataset(..., streaming=True)`) instead of loading it
+    # whole: for sets larger than memory or disk. Records are read only until the run's prompt count
+    # is found (no source can contribute more), then mixed by `weight` like any source.
+    streaming: bool = False
+    # Records a streaming source is shuffled in (IterableDataset.shuffle's buffer_size), with the run's seed.
+    shuffle_buffer: int = 10_000
+
+
+@dataclass
+class SynthesisSettings:
+    # Sequences sampled per `generate` call.
+    batch_size: int = 32
+    # Longest user turn in tokens; one that has not ended by then is thrown away.
+    max_new_tokens: int = 128
+    # Sampling temperature; Magpie samples at 1.0 for diversity.
+    temperature: float = 1.0
+    # Nucleus sampling threshold.
+    top_p: float = 1.0
+    # Shortest and longest prompt kept, in characters after stripping whitespace.
+    min_chars: int = 16
+    max_chars: int = 2000
+
+
+@dataclass
+class GenerationSettings:
+    # Longest response in tokens; a response cut here is marked `truncated`.
+    max_new_tokens: int = 256
+    # Sampling temperature; 0 is greedy. Default 0: EAGLE-style heads are trained and evaluated on
+    # the target's greedy continuations (Spec-Bench measures greedy decoding).
+    temperature: float = 0.0
+    # Nucleus sampling threshold (used when temperature > 0).
+    top_p: float = 1.0
+    # Prompts per `generate` call (prompts are sorted by length first, so a batch pads little).
+    # SmolLM2-135M bf16 on two CPU cores: the recipes' length-sorted batches of 64 ran at ~170
+    # response tok/s (grounded prompts, recipes/eagle.yaml's log); benchmarks/generation_throughput.py
+    # compares batch sizes and attentions in one run. Raise it on a GPU. Not part of the cache key.
+    batch_size: int = 16
+    # Seed of the sampler (each batch reseeds with seed + batch index). Part of the cache key.
+    seed: int = 0
+    # "regenerate": the target answers every prompt (self-distillation). "keep": train on the
+    # sources' own replies (ShareGPT / OpenAI messages whose last user turn is answered), features
+    # from one prefill and no generation, as the EAGLE paper did; prompts without a reply are
+    # skipped, and a run where none has one (prompt-only files, synthesized prompts) is refused.
+    # Keep does not combine with data.grounded (its passages must be the target's own text).
+    mode: Literal["regenerate", "keep"] = "regenerate"
+    # "refill": a row whose response ended takes the next prompt at once (distill/refill.py; greedy
+    # gives the same tokens); "batch": `model.generate` per batch of batch_size (a batch runs until its
+    # longest response ends). Refill measured 504 vs 325 response tok/s at batch 64 (SmolLM2 bf16, two
+    # cores, benchmarks/results/generation_throughput_recipe.json): the recipes set it. Not part of
+    # the cache key.
+    scheduler: Literal["batch", "refill"] = "batch"
+
+    def fingerprint(self, target_id: str) -> str:
+        """Everything that decides a response, except the prompt. batch_size, mode and scheduler are left out."""
+        d = dataclasses.asdict(self)
+        for key in ("batch_size", "mode", "scheduler"):
+            d.pop(key)
+        return json.dumps({"target": target_id, **d}, sort_keys=True)
+
+
+# The tasks data.grounded.tasks names, as distill/grounded.py writes them: {passage} is the earlier
+# response(s), {question} the prompt it answered, {language} a target language.
+GROUNDED_TASKS = {
+    "summarize": "Summarize the following text in two or three sentences.\n\n{passage}",
+    "answer": ("Answer the question using the information in the document below.\n\n"
+               "Document: {passage}\n\nQuestion: {question}"),
+    "translate": "Translate the following text into {language}.\n\n{passage}",
+    "rewrite": "Rewrite the following text so that it is clearer and more concise.\n\n{passage}",
+    "key_points": "List the key points of the following text.\n\n{passage}",
+}
+
+
+@dataclass
+class GroundedSettings:
+    # Share of the training prompts that are tasks over a passage (0 = none): summarize, answer
+    # from a document, translate, rewrite, list key points. The passages are the target's own
+    # responses to the other prompts; holdout prompts are never used.
+    fraction: float = 0.0
+    # Task names to draw from (keys of GROUNDED_TASKS), uniformly.
+    tasks: list[str] = field(default_factory=lambda: list(GROUNDED_TASKS))
+    # Responses shorter than this (characters) are not used as passages.
+    min_chars: int = 200
+    # Responses joined (blank line between) into the text of one task: several make the long,
+    # multi-document contexts of RAG and summarization (raise data.max_length to fit them).
+    passages: int = 1
+
+    def __post_init__(self):
+        if not 0.0 <= self.fraction < 1.0:
+            raise ConfigError(f"data.grounded.fraction: expected 0 <= fraction < 1, got {self.fraction}")
+        if self.passages < 1:
+            raise ConfigError(f"data.grounded.passages: expected >= 1 responses per task, got {self.passages}")
+        unknown = [t for t in self.tasks if t not in GROUNDED_TASKS]
+        if unknown or not self.tasks:
+            raise ConfigError(f"data.grounded.tasks: unknown {unknown or 'empty list'}; "
+                             f"expected names from {sorted(GROUNDED_TASKS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe's other parts, and the recipe
+# ---------------------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
     # Prompt sources; empty = the target synthesizes its own prompts (Magpie, chat targets only).
@@ -177,6 +290,13 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def samples_needed(self, global_batch: int) -> int:
+        """Training samples the run prepares: data.num_prompts when set, else what max_steps global
+        batches of `global_batch` consume over train.epochs passes (at least 1)."""
+        if self.data.num_prompts is not None:
+            return self.data.num_prompts
+        return max(1, math.ceil(self.train.max_steps * global_batch / max(1, self.train.epochs)))
 
     def fingerprint(self, exclude: tuple[str, ...] = ("output_dir",)) -> str:
         """Hash of everything that decides what is trained (not where it goes or how long)."""

@@ -122,7 +122,6 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     from draftkit.heads import HeadError, build_head
     from draftkit.heads.losses import chunk_rows
     from draftkit.train.deepspeed_config import build_deepspeed_config
-    from draftkit.train.loop import samples_needed
 
     problems: list[tuple[str, str]] = []  # (severity, message)
     r, d, t = recipe, recipe.data, recipe.train
@@ -160,7 +159,7 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     layers = head.feature_layers if head is not None else (FINAL,)
 
     # ---- data ----
-    prompts = samples_needed(r, global_batch)
+    prompts = r.samples_needed(global_batch)
     sample_tokens = min(d.max_length, s.prompt_tokens + d.responses.max_new_tokens)
     response_tokens = (prompts + d.holdout) * d.responses.max_new_tokens  # upper bound (EOS ends earlier)
     gen_seconds = response_tokens / (s.gen_tokens_per_s * s.world_size)

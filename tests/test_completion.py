@@ -13,11 +13,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from draftkit.distill import GenerationSettings, PromptSource, load_prompts, prepare_samples, regenerate
+from draftkit.config import DataConfig
+from draftkit.distill import DataContext, GenerationSettings, PromptSource, load_prompts, prepare_samples, regenerate
 from draftkit.distill.regenerate import Conversation
 from draftkit.distill.sources import Prompt
 from draftkit.distill.synthesize import magpie_prefix
-from draftkit.distill.text import completion_ids, resolve_format, tokenize_completion
+from draftkit.distill.samples import tokenize_completion
+from draftkit.distill.text import completion_ids, resolve_format
 from draftkit.prompts import cut_text, read_text_prompts
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -138,7 +140,8 @@ def test_regenerate_continues_the_raw_text(model, base_tokenizer, tmp_path, monk
 
     monkeypatch.setattr(model, "generate", spy)
     prompts = [Prompt([{"role": "user", "content": "def add(a, b):"}], None, "c:0")]
-    convs = regenerate(model, base_tokenizer, prompts, FAST, tmp_path, target_id="t", progress=False, fmt="text")
+    text = DataContext(model, base_tokenizer, tmp_path, "t", fmt="text", progress=False)
+    convs = regenerate(text, prompts, FAST)
     ids = completion_ids(base_tokenizer, prompts[0].messages)
     assert seen[0][0].tolist() == ids
     ref = original(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -147,14 +150,16 @@ def test_regenerate_continues_the_raw_text(model, base_tokenizer, tmp_path, monk
     new = ref[0, len(ids):].tolist()
     assert convs[0].response == base_tokenizer.decode(
         [t for t in new if t != base_tokenizer.eos_token_id], skip_special_tokens=True)
-    regenerate(model, base_tokenizer, prompts, FAST, tmp_path, target_id="t", progress=False, fmt="text")
+    regenerate(text, prompts, FAST)
     assert len(seen) == 1  # cached
 
 
 def test_prepare_samples_in_completion_mode(model, base_tokenizer, tmp_path, text_dir):
-    samples, holdout, stats = prepare_samples(
-        model, base_tokenizer, sources=[PromptSource(str(text_dir))], num_samples=2, num_holdout=1,
-        max_length=64, generation=FAST, cache_dir=tmp_path, target_id="t", progress=False, fmt="text")
+    def in_text_mode(sources, holdout):
+        data = DataConfig(sources=sources, holdout=holdout, max_length=64, responses=FAST)
+        return prepare_samples(DataContext(model, base_tokenizer, tmp_path, "t", data, fmt="text", progress=False), 2)
+
+    samples, holdout, stats = in_text_mode([PromptSource(str(text_dir))], holdout=1)
     assert len(holdout) == 1 and stats["kept"] == 2
     raw = [completion_ids(base_tokenizer, [{"role": "user", "content": t}]) for _, t in read_text_prompts(text_dir)]
     for s in samples:
@@ -162,8 +167,7 @@ def test_prepare_samples_in_completion_mode(model, base_tokenizer, tmp_path, tex
         assert s["input_ids"][:first] in raw  # the raw text's own tokens, no template around them
         assert all(s["loss_mask"][first:]) and not any(s["loss_mask"][:first])
     with pytest.raises(ValueError, match="data.sources is empty.*Magpie.*chat template.*data.format: text"):
-        prepare_samples(model, base_tokenizer, sources=None, num_samples=2, num_holdout=0, max_length=64,
-                        generation=FAST, cache_dir=tmp_path, target_id="t", progress=False, fmt="text")
+        in_text_mode([], holdout=0)
 
 
 def test_base_model_trains_end_to_end_from_a_text_file(model, base_tokenizer, tmp_path):

@@ -14,15 +14,21 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from draftkit.config import DataConfig
 from draftkit.distill import (
-    Conversation, GenerationSettings, GroundedSettings, Prompt, grounded_prompts, PromptSource, SynthesisSettings, build_samples, synthesize_cached,
-    load_prompts, magpie_prefix, prepare_samples, regenerate, synthesize_prompts,
-    tokenize_conversation,
+    Conversation, DataContext, GenerationSettings, GroundedSettings, Prompt, grounded_prompts, PromptSource,
+    SynthesisSettings, build_samples, synthesize_cached, load_prompts, magpie_prefix, prepare_samples, regenerate,
+    synthesize_prompts, tokenize_conversation,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DATA = FIXTURES / "data"
 FAST = GenerationSettings(max_new_tokens=8, temperature=0.0, batch_size=4)
+
+
+def ctx(model, tokenizer, cache_dir, target_id="tiny", **kw) -> DataContext:
+    """The data context of these tests: no progress bars; kw: the other DataContext fields."""
+    return DataContext(model, tokenizer, cache_dir, target_id, progress=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -165,21 +171,20 @@ def test_magpie_prefix(tokenizer):
 
 
 def test_synthesize_prompts(model, tokenizer, generated_rows):
-    got = synthesize_prompts(model, tokenizer, 4, batch_size=8, max_new_tokens=12, seed=0,
-                             min_chars=1, progress=False)
+    settings = SynthesisSettings(batch_size=8, max_new_tokens=12, min_chars=1)
+    got = synthesize_prompts(model, tokenizer, 4, settings, seed=0, progress=False)
     assert 1 <= len(got) <= 4 and generated_rows
     texts = [p.messages[0]["content"] for p in got]
     assert len(set(texts)) == len(texts)
     assert all(p.messages[0]["role"] == "user" and len(p.messages) == 1 and t.strip() for p, t in zip(got, texts))
-    again = synthesize_prompts(model, tokenizer, 4, batch_size=8, max_new_tokens=12, seed=0,
-                               min_chars=1, progress=False)
+    again = synthesize_prompts(model, tokenizer, 4, settings, seed=0, progress=False)
     assert [p.id for p in again] == [p.id for p in got]
 
 
 def test_synthesize_gives_up_after_max_attempts(model, tokenizer, caplog):
     with caplog.at_level(logging.WARNING):
-        got = synthesize_prompts(model, tokenizer, 3, batch_size=4, max_new_tokens=4,
-                                 min_chars=10_000, max_attempts=8, progress=False)
+        hopeless = SynthesisSettings(batch_size=4, max_new_tokens=4, min_chars=10_000)
+        got = synthesize_prompts(model, tokenizer, 3, hopeless, max_attempts=8, progress=False)
     assert got == [] and "only 0 of 3" in caplog.text
 
 
@@ -187,40 +192,41 @@ def test_synthesize_gives_up_after_max_attempts(model, tokenizer, caplog):
 
 def test_regenerate_then_cache_hit(model, tokenizer, tmp_path, generated_rows):
     prompts = _user_prompts(6)
-    first = regenerate(model, tokenizer, prompts, FAST, tmp_path, target_id="tiny", progress=False)
+    first = regenerate(ctx(model, tokenizer, tmp_path), prompts, FAST)
     assert sum(generated_rows) == 6 and len(first) == 6
     assert all(c.num_tokens <= FAST.max_new_tokens for c in first)
     assert all(c.num_tokens == FAST.max_new_tokens for c in first if c.truncated)
     generated_rows.clear()
-    again = regenerate(model, tokenizer, prompts, FAST, tmp_path, target_id="tiny", progress=False)
+    again = regenerate(ctx(model, tokenizer, tmp_path), prompts, FAST)
     assert generated_rows == []  # served from the cache
     assert again == first
     # a different target or different settings is a different key
-    regenerate(model, tokenizer, prompts[:2], FAST, tmp_path, target_id="other", progress=False)
+    regenerate(ctx(model, tokenizer, tmp_path, "other"), prompts[:2], FAST)
     assert sum(generated_rows) == 2
 
 
 def test_interrupted_run_continues(model, tokenizer, tmp_path, generated_rows):
     prompts = _user_prompts(7)
-    done = regenerate(model, tokenizer, prompts[:3], FAST, tmp_path, target_id="tiny", progress=False)
+    done = regenerate(ctx(model, tokenizer, tmp_path), prompts[:3], FAST)
     generated_rows.clear()
     (next(tmp_path.rglob("*.jsonl")).parent / ".junk.123.tmp").write_text("{half a rec")  # killed mid-write
-    full = regenerate(model, tokenizer, prompts, FAST, tmp_path, target_id="tiny", progress=False)
+    full = regenerate(ctx(model, tokenizer, tmp_path), prompts, FAST)
     assert sum(generated_rows) == 4
     assert full[:3] == done and [c.prompt.id for c in full] == [p.id for p in prompts]
 
 
 def test_ranks_split_work_and_share_results(model, tokenizer, tmp_path, generated_rows):
     prompts = _user_prompts(6)
-    kw = dict(target_id="tiny", world_size=2, progress=False)
     # Simulate two ranks in one process: rank 0's barrier runs rank 1 to completion.
     rank1 = []
-    out0 = regenerate(model, tokenizer, prompts, FAST, tmp_path, rank=0, **kw, barrier=lambda: rank1.append(
-        regenerate(model, tokenizer, prompts, FAST, tmp_path, rank=1, **kw, barrier=lambda: None)))
+    second = ctx(model, tokenizer, tmp_path, rank=1, world_size=2, barrier=lambda: None)
+    first = ctx(model, tokenizer, tmp_path, rank=0, world_size=2,
+                barrier=lambda: rank1.append(regenerate(second, prompts, FAST)))
+    out0 = regenerate(first, prompts, FAST)
     assert sum(generated_rows) == 6 and len(generated_rows) == 2  # 3 prompts per rank
     assert out0 == rank1[0] and len(out0) == 6
     with pytest.raises(ValueError, match="barrier"):
-        regenerate(model, tokenizer, _user_prompts(2, "q"), FAST, tmp_path, rank=0, **kw)
+        regenerate(ctx(model, tokenizer, tmp_path, rank=0, world_size=2), _user_prompts(2, "q"), FAST)
 
 
 def test_truncated_responses_are_flagged(model, tokenizer, tmp_path):
@@ -228,8 +234,7 @@ def test_truncated_responses_are_flagged(model, tokenizer, tmp_path):
     with torch.no_grad():
         model.lm_head.bias[tokenizer.eos_token_id] = -30.0
         try:
-            convs = regenerate(model, tokenizer, _user_prompts(2), never_ends, tmp_path,
-                               target_id="tiny", progress=False)
+            convs = regenerate(ctx(model, tokenizer, tmp_path), _user_prompts(2), never_ends)
         finally:
             model.lm_head.bias[tokenizer.eos_token_id] = 4.5
     assert all(c.truncated and c.num_tokens == 3 for c in convs)
@@ -294,9 +299,8 @@ def test_truncate_vs_drop(tokenizer):
 def test_prepare_samples_is_sized_to_the_run(model, tokenizer, tmp_path, generated_rows):
     sources = [PromptSource(str(DATA / "openai.jsonl")), PromptSource(str(DATA / "prompt.jsonl")),
                PromptSource(str(DATA / "mtbench.jsonl"))]
-    samples, holdout, stats = prepare_samples(
-        model, tokenizer, sources=sources, num_samples=3, num_holdout=2, max_length=128,
-        generation=FAST, cache_dir=tmp_path, target_id="tiny", progress=False)
+    data = DataConfig(sources=sources, holdout=2, max_length=128, responses=FAST)
+    samples, holdout, stats = prepare_samples(ctx(model, tokenizer, tmp_path, data=data), num_samples=3)
     assert sum(generated_rows) == 3  # only the training prompts are answered
     assert len(holdout) == 2 and stats["prompts"] == 5 and stats["holdout"] == 2
     assert len(samples) == stats["kept"] <= 3
@@ -338,9 +342,8 @@ def test_prepare_samples_adds_grounded_tasks_over_its_own_answers(model, tokeniz
                PromptSource(str(DATA / "mtbench.jsonl"))]
     gen = GenerationSettings(max_new_tokens=24, temperature=1.0, batch_size=8)  # greedy ends at once
     grounded = GroundedSettings(fraction=0.5, tasks=["rewrite"], min_chars=1)
-    samples, holdout, stats = prepare_samples(
-        model, tokenizer, sources=sources, num_samples=4, num_holdout=1, max_length=256,
-        generation=gen, grounded=grounded, cache_dir=tmp_path, target_id="tiny", progress=False)
+    data = DataConfig(sources=sources, holdout=1, max_length=256, responses=gen, grounded=grounded)
+    samples, holdout, stats = prepare_samples(ctx(model, tokenizer, tmp_path, data=data), num_samples=4)
     assert stats["grounded"] == 2 and stats["prompts"] == 5 and len(samples) == stats["kept"]
     assert sum(generated_rows) == 4  # two plain prompts answered, then two tasks over those answers
     rendered = [tokenizer.decode(s["input_ids"]) for s in samples]
@@ -357,29 +360,29 @@ def test_prepare_samples_adds_grounded_tasks_over_its_own_answers(model, tokeniz
 
 def test_prepare_samples_synthesizes_without_sources(model, tokenizer, tmp_path, generated_rows):
     synth = SynthesisSettings(batch_size=8, max_new_tokens=12, min_chars=1)
-    kw = dict(sources=None, num_samples=2, num_holdout=1, max_length=128, generation=FAST,
-              synthesis=synth, cache_dir=tmp_path, target_id="tiny", progress=False)
-    samples, holdout, stats = prepare_samples(model, tokenizer, **kw)
+    data = DataConfig(sources=[], holdout=1, max_length=128, responses=FAST, synthesize=synth)
+    samples, holdout, stats = prepare_samples(ctx(model, tokenizer, tmp_path, data=data), num_samples=2)
     assert stats["source"] == "synthesized" and len(holdout) == 1 and len(samples) == 2
     generated_rows.clear()
-    again = prepare_samples(model, tokenizer, **kw)
+    again = prepare_samples(ctx(model, tokenizer, tmp_path, data=data), num_samples=2)
     assert generated_rows == [] and again[0] == samples  # prompts and responses both cached
     assert math.isfinite(stats["response_tokens"])
 
 
 def test_interrupted_synthesis_continues_from_finished_batches(model, tokenizer, tmp_path, generated_rows):
     settings = SynthesisSettings(batch_size=4, max_new_tokens=12)
-    first = synthesize_cached(model, tokenizer, 3, settings, tmp_path, target_id="t", seed=1, progress=False)
+    run = ctx(model, tokenizer, tmp_path, "t", seed=1)
+    first = synthesize_cached(run, 3, settings)
     calls = len(generated_rows)
     assert calls > 0
     # A larger n (as after a kill, or a bigger run) reuses every sampled batch and only samples more.
-    more = synthesize_cached(model, tokenizer, 6, settings, tmp_path, target_id="t", seed=1, progress=False)
+    more = synthesize_cached(run, 6, settings)
     assert more[:len(first)] == first and len(more) > len(first)
     assert len(generated_rows) > calls
     done = len(generated_rows)
     for p in tmp_path.glob("prompts-*.jsonl"):  # the finished lists are gone, the batches are not
         p.unlink()
-    assert synthesize_cached(model, tokenizer, 6, settings, tmp_path, target_id="t", seed=1, progress=False) == more
+    assert synthesize_cached(run, 6, settings) == more
     assert len(generated_rows) == done
 
 
@@ -462,9 +465,8 @@ def test_keep_trains_on_the_sources_own_replies_without_generating(model, tokeni
         {"id": "e", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": ""}]}])
     sources = [PromptSource(str(sharegpt)), PromptSource(str(openai))]
     keep = GenerationSettings(max_new_tokens=8, batch_size=4, mode="keep")
-    samples, holdout, stats = prepare_samples(
-        model, tokenizer, sources=sources, num_samples=5, num_holdout=0, max_length=256,
-        generation=keep, cache_dir=tmp_path / "cache", target_id="tiny", progress=False)
+    data = DataConfig(sources=sources, holdout=0, max_length=256, responses=keep)
+    samples, holdout, stats = prepare_samples(ctx(model, tokenizer, tmp_path / "cache", data=data), num_samples=5)
     assert generated_rows == [] and not (tmp_path / "cache").exists()  # no generation, nothing cached
     got = sorted(_masked_text(tokenizer, s) for s in samples)
     assert got == ["A strawberry.<|im_end|>", "Blue.<|im_end|>", "Four.<|im_end|>"]  # c, e: no reply, skipped
@@ -474,15 +476,17 @@ def test_keep_trains_on_the_sources_own_replies_without_generating(model, tokeni
 
 
 def test_keep_refuses_sources_without_replies_synthesis_and_grounded(model, tokenizer, tmp_path):
-    kw = dict(num_samples=2, num_holdout=0, max_length=64, cache_dir=tmp_path, target_id="tiny", progress=False,
-              generation=GenerationSettings(mode="keep"))
+    def keep(**data):
+        run = ctx(model, tokenizer, tmp_path, data=DataConfig(holdout=0, max_length=64,
+                                                              responses=GenerationSettings(mode="keep"), **data))
+        return prepare_samples(run, num_samples=2)
+
     with pytest.raises(ValueError, match=r"keep needs sources whose records carry a reply.*prompt:"):
-        prepare_samples(model, tokenizer, sources=[PromptSource(str(DATA / "prompt.jsonl"))], **kw)
+        keep(sources=[PromptSource(str(DATA / "prompt.jsonl"))])
     with pytest.raises(ValueError, match=r"data.sources is empty"):
-        prepare_samples(model, tokenizer, sources=None, **kw)
+        keep(sources=[])
     with pytest.raises(ValueError, match=r"data.grounded.fraction"):
-        prepare_samples(model, tokenizer, sources=[PromptSource(str(DATA / "sharegpt.json"))],
-                        grounded=GroundedSettings(fraction=0.5), **kw)
+        keep(sources=[PromptSource(str(DATA / "sharegpt.json"))], grounded=GroundedSettings(fraction=0.5))
     # the mode never changes the regeneration cache key: regenerated responses are shared
     assert GenerationSettings(mode="keep").fingerprint("t") == GenerationSettings().fingerprint("t")
 
@@ -573,8 +577,8 @@ def test_regenerate_with_refill_caches_the_same_greedy_responses(varied_model, t
     prompts = _user_prompts(7)
     batch = GenerationSettings(max_new_tokens=10, batch_size=3)
     refill = GenerationSettings(max_new_tokens=10, batch_size=3, scheduler="refill")
-    a = regenerate(varied_model, tokenizer, prompts, batch, tmp_path / "a", target_id="t", progress=False)
-    b = regenerate(varied_model, tokenizer, prompts, refill, tmp_path / "b", target_id="t", progress=False)
+    a = regenerate(ctx(varied_model, tokenizer, tmp_path / "a", "t"), prompts, batch)
+    b = regenerate(ctx(varied_model, tokenizer, tmp_path / "b", "t"), prompts, refill)
     assert a == b and len({c.num_tokens for c in a}) > 1
     assert refill.fingerprint("t") == batch.fingerprint("t")  # one cache for both schedulers
 
@@ -587,9 +591,8 @@ def test_repeated_prompts_are_answered_and_trained_once(model, tokenizer, tmp_pa
     gen = GenerationSettings(max_new_tokens=12, temperature=1.0, batch_size=8)
     # one passage and one task: the three grounded tasks asked for are the same prompt
     grounded = GroundedSettings(fraction=0.75, tasks=["summarize"], min_chars=1)
-    convs, holdout, stats = prepare_conversations(
-        model, tokenizer, sources=[PromptSource(str(src))], num_samples=4, num_holdout=1, generation=gen,
-        grounded=grounded, cache_dir=tmp_path / "c", target_id="tiny", seed=0, progress=False)
+    data = DataConfig(sources=[PromptSource(str(src))], holdout=1, responses=gen, grounded=grounded)
+    convs, holdout, stats = prepare_conversations(ctx(model, tokenizer, tmp_path / "c", data=data, seed=0), 4)
     keys = [c.prompt.key() for c in convs]
     assert len(keys) == len(set(keys)) == 2 and sum(generated_rows) == 2  # the story and one summary
     assert holdout[0].key() not in keys and stats["grounded"] == 3

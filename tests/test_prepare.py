@@ -47,7 +47,7 @@ def test_prepare_writes_shards_the_trainer_reads_without_preparing_again(target,
                                                                           tmp_path, monkeypatch):
     import datasets
 
-    from draftkit.distill import prepare_samples
+    from draftkit.distill import DataContext, prepare_samples
     from draftkit.distill.prepare import load_prepared, prepare
     from draftkit.train.loop import prepare_data
 
@@ -63,11 +63,9 @@ def test_prepare_writes_shards_the_trainer_reads_without_preparing_again(target,
     for e in manifest["splits"]["train"]:
         assert e["sha256"] == file_sha256(out / e["file"]) and e["bytes"] == (out / e["file"]).stat().st_size
     # the same samples the in-memory path builds, in the same order
-    d = recipe.data
-    want, holdout, _ = prepare_samples(target.model, target.tokenizer, sources=d.sources, num_samples=10,
-                                       num_holdout=2, max_length=d.max_length, generation=d.responses,
-                                       cache_dir=tmp_path / "cache", target_id=f"{target.name}:{target.fingerprint}",
-                                       progress=False)
+    want, holdout, _ = prepare_samples(DataContext(target.model, target.tokenizer, tmp_path / "cache",
+                                                   f"{target.name}:{target.fingerprint}", recipe.data,
+                                                   progress=False), 10)
     got = load_prepared(out)
     assert got.train == want and len(want) == 10
     assert [p.messages for p in got.holdout_prompts] == [p.messages for p in holdout]

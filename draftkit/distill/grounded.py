@@ -12,48 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass, field
 
-from draftkit.schema import ConfigError
+from draftkit.config import GROUNDED_TASKS, GroundedSettings
 
 from .regenerate import Conversation
 from .sources import Prompt
 
-# {passage}: the earlier response; {question}: the prompt it answered; {language}: a target language.
-TASKS = {
-    "summarize": "Summarize the following text in two or three sentences.\n\n{passage}",
-    "answer": ("Answer the question using the information in the document below.\n\n"
-               "Document: {passage}\n\nQuestion: {question}"),
-    "translate": "Translate the following text into {language}.\n\n{passage}",
-    "rewrite": "Rewrite the following text so that it is clearer and more concise.\n\n{passage}",
-    "key_points": "List the key points of the following text.\n\n{passage}",
-}
 LANGUAGES = ("French", "German", "Spanish", "Italian", "Portuguese")
-
-
-@dataclass
-class GroundedSettings:
-    # Share of the training prompts that are tasks over a passage (0 = none): summarize, answer
-    # from a document, translate, rewrite, list key points. The passages are the target's own
-    # responses to the other prompts; holdout prompts are never used.
-    fraction: float = 0.0
-    # Task names to draw from (keys of draftkit.distill.grounded.TASKS), uniformly.
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))
-    # Responses shorter than this (characters) are not used as passages.
-    min_chars: int = 200
-    # Responses joined (blank line between) into the text of one task: several make the long,
-    # multi-document contexts of RAG and summarization (raise data.max_length to fit them).
-    passages: int = 1
-
-    def __post_init__(self):
-        if not 0.0 <= self.fraction < 1.0:
-            raise ConfigError(f"data.grounded.fraction: expected 0 <= fraction < 1, got {self.fraction}")
-        if self.passages < 1:
-            raise ConfigError(f"data.grounded.passages: expected >= 1 responses per task, got {self.passages}")
-        unknown = [t for t in self.tasks if t not in TASKS]
-        if unknown or not self.tasks:
-            raise ConfigError(f"data.grounded.tasks: unknown {unknown or 'empty list'}; "
-                             f"expected names from {sorted(TASKS)}")
 
 
 def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettings,
@@ -78,7 +43,7 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
         asked = picks[rng.randrange(k)] if k > 1 else picks[0]  # the question one passage answered
         question = asked.prompt.messages[-1]["content"]  # a Prompt ends with the user turn it asks
         texts = tuple(c.response.strip() for c in picks)
-        text = TASKS[task].format(passage="\n\n".join(texts), question=question.strip(),
+        text = GROUNDED_TASKS[task].format(passage="\n\n".join(texts), question=question.strip(),
                                   language=LANGUAGES[rng.randrange(len(LANGUAGES))])
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         out.append(Prompt([{"role": "user", "content": text}], f"grounded-{task}",

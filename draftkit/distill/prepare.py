@@ -123,11 +123,25 @@ def finished(recipe, target, num_samples: int) -> Path | None:
     return None if issues else out
 
 
+def data_context(recipe, target, dist):
+    """The DataContext of this run's stage 1: the target, the recipe's data section and seed, the
+    shared response cache, this rank's share (distill/context.py)."""
+    from draftkit.distill.context import DataContext
+    from draftkit.distill.text import resolve_format
+    from draftkit.target import cache_root
+    from draftkit.train.distributed import barrier
+
+    d = recipe.data
+    return DataContext(target.model, target.tokenizer, Path(d.cache_dir) if d.cache_dir else cache_root() / "data",
+                       f"{target.name}:{target.fingerprint}", data=d,
+                       fmt=resolve_format(d.format, target.tokenizer, target.name),  # chat, or text (completion)
+                       seed=recipe.train.seed, rank=dist.rank, world_size=dist.world_size, barrier=barrier,
+                       progress=dist.is_main)
+
+
 def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
     from draftkit.distill.regenerate import responses
     from draftkit.distill.samples import prepare_conversations
-    from draftkit.distill.text import resolve_format
-    from draftkit.target import cache_root
     from draftkit.train.distributed import barrier
 
     if not target.has_transformer:
@@ -135,16 +149,9 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
                          "transformer, which cannot generate responses; load the full target")
     d = recipe.data
     t0 = time.time()
-    fmt = resolve_format(d.format, target.tokenizer, target.name)  # chat, or text (completion mode)
-    common = dict(cache_dir=Path(d.cache_dir) if d.cache_dir else cache_root() / "data",
-                  target_id=f"{target.name}:{target.fingerprint}", rank=dist.rank,
-                  world_size=dist.world_size, barrier=barrier, progress=dist.is_main, fmt=fmt)
-    convs, holdout_prompts, stats = prepare_conversations(
-        target.model, target.tokenizer, sources=d.sources or None, num_samples=num_samples,
-        num_holdout=d.holdout, generation=d.responses, synthesis=d.synthesize, grounded=d.grounded,
-        seed=recipe.train.seed, **common)
-    holdout = responses(target.model, target.tokenizer, holdout_prompts, d.responses, **common) \
-        if holdout_prompts else []
+    ctx = data_context(recipe, target, dist)
+    convs, holdout_prompts, stats = prepare_conversations(ctx, num_samples)
+    holdout = responses(ctx, holdout_prompts, d.responses) if holdout_prompts else []
     entries = {}
     for split, split_convs, loss_on in (("train", convs, d.loss_on), ("holdout", holdout, "response")):
         chunks = [split_convs[i: i + d.shard_size] for i in range(0, len(split_convs), d.shard_size)] or [[]]
@@ -152,7 +159,7 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
         entries[split] = []
         for k in mine:  # rank r tokenises and writes only its own shards
             rows, shard_stats = _rows(target.tokenizer, chunks[k], d, loss_on, keep_dropped=split == "holdout",
-                                      fmt=fmt)
+                                      fmt=ctx.fmt)
             entry = write_shard(out / shard_name(split, k, len(chunks)), rows)
             entries[split].append({**entry, "index": k, "stats": shard_stats})
     entries = _gather(entries, dist)
@@ -278,7 +285,6 @@ def run(args: argparse.Namespace) -> int:
     from draftkit.target import TargetError, load_target
     from draftkit.train.deepspeed_config import build_deepspeed_config
     from draftkit.train.distributed import init_distributed
-    from draftkit.train.loop import samples_needed
 
     dist = init_distributed()
     logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING,
@@ -289,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
                              device=dist.device)
         world = args.train_processes or dist.world_size
         ds = build_deepspeed_config(recipe, world, dist.device.type == "cuda")
-        out = prepare(recipe, target, dist, samples_needed(recipe, ds["train_batch_size"]))
+        out = prepare(recipe, target, dist, recipe.samples_needed(ds["train_batch_size"]))
         if args.features:
             said = prepare_features(recipe, target, dist, out, recipe.train.micro_batch_size)
             if dist.is_main:

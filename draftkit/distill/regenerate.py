@@ -13,64 +13,28 @@ of a multi-process run share one directory.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from tqdm import tqdm
 
+from draftkit.config import GenerationSettings
 from draftkit.prompts import end_of_turn_ids, stop_token_ids  # noqa: F401  (re-exported)
 
+from .context import DataContext
 from .sources import Prompt
+from .text import completion_ids
 
 log = logging.getLogger(__name__)
 FAULT_KILL = "DRAFTKIT_FAULT_KILL_AFTER_BATCH"  # SIGKILL after writing that many response batches (tests only)
-
-
-@dataclass
-class GenerationSettings:
-    # Longest response in tokens; a response cut here is marked `truncated`.
-    max_new_tokens: int = 256
-    # Sampling temperature; 0 is greedy. Default 0: EAGLE-style heads are trained and evaluated on
-    # the target's greedy continuations (Spec-Bench measures greedy decoding).
-    temperature: float = 0.0
-    # Nucleus sampling threshold (used when temperature > 0).
-    top_p: float = 1.0
-    # Prompts per `generate` call (prompts are sorted by length first, so a batch pads little).
-    # SmolLM2-135M bf16 on two CPU cores: the recipes' length-sorted batches of 64 ran at ~170
-    # response tok/s (grounded prompts, recipes/eagle.yaml's log); benchmarks/generation_throughput.py
-    # compares batch sizes and attentions in one run. Raise it on a GPU. Not part of the cache key.
-    batch_size: int = 16
-    # Seed of the sampler (each batch reseeds with seed + batch index). Part of the cache key.
-    seed: int = 0
-    # "regenerate": the target answers every prompt (self-distillation). "keep": train on the
-    # sources' own replies (ShareGPT / OpenAI messages whose last user turn is answered), features
-    # from one prefill and no generation, as the EAGLE paper did; prompts without a reply are
-    # skipped, and a run where none has one (prompt-only files, synthesized prompts) is refused.
-    # Keep does not combine with data.grounded (its passages must be the target's own text).
-    mode: Literal["regenerate", "keep"] = "regenerate"
-    # "refill": a row whose response ended takes the next prompt at once (distill/refill.py; greedy
-    # gives the same tokens); "batch": `model.generate` per batch of batch_size (a batch runs until its
-    # longest response ends). Refill measured 504 vs 325 response tok/s at batch 64 (SmolLM2 bf16, two
-    # cores, benchmarks/results/generation_throughput_recipe.json): the recipes set it. Not part of
-    # the cache key.
-    scheduler: Literal["batch", "refill"] = "batch"
-
-    def fingerprint(self, target_id: str) -> str:
-        """Everything that decides a response, except the prompt. batch_size, mode and scheduler are left out."""
-        d = dataclasses.asdict(self)
-        for key in ("batch_size", "mode", "scheduler"):
-            d.pop(key)
-        return json.dumps({"target": target_id, **d}, sort_keys=True)
 
 
 @dataclass
@@ -89,29 +53,22 @@ class Conversation:
         return self.prompt.messages + [{"role": "assistant", "content": self.response}]
 
 
-def regenerate(
-    model, tokenizer, prompts: list[Prompt], settings: GenerationSettings, cache_dir: Path, *,
-    target_id: str, rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
-    progress: bool = True, fmt: str = "chat",
-) -> list[Conversation]:
+def regenerate(ctx: DataContext, prompts: list[Prompt], settings: GenerationSettings) -> list[Conversation]:
     """Answer every prompt with the target (or read the answer from the cache), in prompt order.
 
-    fmt "chat" renders prompts with the chat template, "text" feeds their raw text (distill/text.py).
+    ctx.fmt "chat" renders prompts with the chat template, "text" feeds their raw text (distill/text.py).
 
-    With world_size > 1 rank r generates the uncached prompts i with i % world_size == r, then
-    `barrier()` is called and every rank reads all results from the shared `cache_dir`.
+    With ctx.world_size > 1 rank r generates the uncached prompts i with i % world_size == r, then
+    waits in ctx.barrier() and every rank reads all results from the shared ctx.cache_dir.
     """
-    cache = _cache_dir(cache_dir, settings, target_id)
-    keys = [response_key(p, settings, target_id, fmt) for p in prompts]
+    cache = _cache_dir(ctx.cache_dir, settings, ctx.target_id)
+    keys = [response_key(p, settings, ctx.target_id, ctx.fmt) for p in prompts]
     done = read_cached(cache)
-    todo = [i for i, k in enumerate(keys) if k not in done and i % world_size == rank]
+    todo = [i for i, k in enumerate(keys) if k not in done and i % ctx.world_size == ctx.rank]
     if todo:
-        _generate_into_cache(model, tokenizer, [prompts[i] for i in todo], [keys[i] for i in todo],
-                             settings, cache, progress=progress and rank == 0, fmt=fmt)
-    if world_size > 1:
-        if barrier is None:
-            raise ValueError("regenerate: world_size > 1 needs a barrier to share results")
-        barrier()
+        _generate_into_cache(ctx.model, ctx.tokenizer, [prompts[i] for i in todo], [keys[i] for i in todo],
+                             settings, cache, progress=ctx.progress and ctx.rank == 0, fmt=ctx.fmt)
+    ctx.wait_for_ranks("regenerate")
     done = read_cached(cache)
     missing = [p.id for p, k in zip(prompts, keys) if k not in done]
     if missing:
@@ -120,13 +77,12 @@ def regenerate(
             for p, k in zip(prompts, keys)]
 
 
-def responses(model, tokenizer, prompts: list[Prompt], settings: GenerationSettings, cache_dir: Path,
-              **kw) -> list[Conversation]:
+def responses(ctx: DataContext, prompts: list[Prompt], settings: GenerationSettings) -> list[Conversation]:
     """The response to train on for every prompt: regenerated by the target, or (mode keep) the
-    source's own reply. kw: those of `regenerate`."""
+    source's own reply."""
     if settings.mode == "regenerate":
-        return regenerate(model, tokenizer, prompts, settings, cache_dir, **kw)
-    return kept_replies(tokenizer, prompts)
+        return regenerate(ctx, prompts, settings)
+    return kept_replies(ctx.tokenizer, prompts)
 
 
 def kept_replies(tokenizer, prompts: list[Prompt]) -> list[Conversation]:
@@ -171,8 +127,6 @@ def _cache_dir(cache_dir: Path, settings: GenerationSettings, target_id: str) ->
 
 
 def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path, progress: bool, fmt: str = "chat"):
-    from .text import completion_ids
-
     cache.mkdir(parents=True, exist_ok=True)
     ids = [completion_ids(tokenizer, p.messages) if fmt == "text" else
            chat_ids(tokenizer, p.messages, add_generation_prompt=True) for p in prompts]

@@ -1,7 +1,7 @@
 """Token samples with a loss mask; `prepare_conversations`: prompts sized to the run -> responses.
 
 The trainer's data stage (distill/prepare.py) calls both and writes the result as shards;
-`prepare_samples` is the same in memory.
+`prepare_samples` is the same in memory. Both take the run's DataContext (distill/context.py).
 
 A sample is the whole conversation rendered by the tokenizer's chat template. Its `loss_mask` marks
 the tokens the head learns to predict, chosen by `loss_on` (the recipe's data.loss_on):
@@ -20,15 +20,14 @@ Whatever the template adds after the closing end-of-turn token is never in the l
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
-from .grounded import GroundedSettings, grounded_prompts
-from .regenerate import Conversation, GenerationSettings, chat_ids, end_of_turn_ids, regenerate, responses
-from .sources import Prompt, PromptSource, load_prompts
-from .synthesize import SynthesisSettings, synthesize_cached
-from .text import tokenize_completion
+from .context import DataContext
+from .grounded import grounded_prompts
+from .regenerate import Conversation, chat_ids, end_of_turn_ids, regenerate, responses
+from .sources import Prompt, load_prompts
+from .synthesize import synthesize_cached
+from .text import completion_ids
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +86,16 @@ def completion_kinds(tokenizer, conv: Conversation) -> tuple[list[int], list[int
     if sample is None:
         return None
     return sample["input_ids"], [RESPONSE if m else PROMPT for m in sample["loss_mask"]]
+
+
+def tokenize_completion(tokenizer, conv: Conversation) -> dict:
+    """{input_ids, loss_mask}: prompt ids, then the continuation's ids (+ EOS when it ended), the
+    mask 1 exactly on the continuation (and its EOS)."""
+    prompt = completion_ids(tokenizer, conv.prompt.messages)
+    response = list(tokenizer(conv.response, add_special_tokens=False)["input_ids"])
+    if not conv.truncated and tokenizer.eos_token_id is not None:
+        response.append(tokenizer.eos_token_id)
+    return {"input_ids": prompt + response, "loss_mask": [0] * len(prompt) + [1] * len(response)}
 
 
 def tokenize_conversation(tokenizer, conv: Conversation, loss_on: str = "response") -> dict | None:
@@ -149,86 +158,74 @@ def _target_text_tokens(tokenizer, conv: Conversation, full: list[int], prompt_l
     return out
 
 
-def prepare_samples(
-    model, tokenizer, *, max_length: int, overlong: str = "truncate", loss_on: str = "response", **kw,
-) -> tuple[list[dict], list[Prompt], dict]:
-    """Prompts -> target responses -> token samples, sized to the run (kw: prepare_conversations's).
+def prepare_samples(ctx: DataContext, num_samples: int) -> tuple[list[dict], list[Prompt], dict]:
+    """Prompts -> target responses -> token samples, sized to the run: `prepare_conversations`,
+    then `build_samples` with ctx.data's max_length, overlong and loss_on.
 
     Returns (train_samples, holdout_prompts, stats).
     """
-    convs, holdout, conv_stats = prepare_conversations(model, tokenizer, **kw)
-    samples, stats = build_samples(tokenizer, convs, max_length, overlong, loss_on, kw.get("fmt", "chat"))
+    d = ctx.data
+    convs, holdout, conv_stats = prepare_conversations(ctx, num_samples)
+    samples, stats = build_samples(ctx.tokenizer, convs, d.max_length, d.overlong, d.loss_on, ctx.fmt)
     stats.update(conv_stats)
-    if stats["kept"] < kw["num_samples"]:
-        log.warning("prepared %d training samples of the %d asked for", stats["kept"], kw["num_samples"])
+    if stats["kept"] < num_samples:
+        log.warning("prepared %d training samples of the %d asked for", stats["kept"], num_samples)
     return samples, holdout, stats
 
 
-def prepare_conversations(
-    model, tokenizer, *,
-    sources: list[PromptSource] | None,
-    num_samples: int,
-    num_holdout: int,
-    generation: GenerationSettings | None = None,
-    synthesis: SynthesisSettings | None = None,
-    grounded: GroundedSettings | None = None,
-    cache_dir: Path,
-    target_id: str,
-    seed: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-    barrier: Callable[[], None] | None = None,
-    progress: bool = True,
-    fmt: str = "chat",
-) -> tuple[list[Conversation], list[Prompt], dict]:
+def prepare_conversations(ctx: DataContext, num_samples: int) -> tuple[list[Conversation], list[Prompt], dict]:
     """Prompts -> the responses to train on, sized to the run.
 
-    num_plain + num_holdout prompts are loaded from `sources` (or synthesized from the target,
-    Magpie-style, when `sources` is None), num_plain = num_samples minus the grounded share. The
-    first num_holdout are held aside for evaluation and never trained on; the target answers the
-    others, and then the grounded prompts built from those answers (distill/grounded.py). A prompt
-    is trained on once: repeats (of a held-aside one too) are dropped.
-    fmt "text" (completion mode, distill/text.py) needs `sources`: Magpie synthesis needs a chat template.
+    num_plain + data.holdout prompts are loaded from data.sources (or synthesized from the target,
+    Magpie-style, when it is empty), num_plain = num_samples minus the grounded share. The first
+    data.holdout are held aside for evaluation and never trained on; the target answers the others,
+    and then the grounded prompts built from those answers (distill/grounded.py). A prompt is
+    trained on once: repeats (of a held-aside one too) are dropped.
+    ctx.fmt "text" (completion mode, distill/text.py) needs sources: Magpie synthesis needs a chat template.
     Returns (train_conversations, holdout_prompts, stats).
     """
-    if fmt == "text" and not sources:
+    d = ctx.data
+    num_grounded = _grounded_count(ctx, num_samples)
+    need = num_samples - num_grounded + d.holdout
+    if d.sources:
+        prompts = load_prompts(d.sources, limit=need, seed=ctx.seed)
+    else:
+        prompts = synthesize_cached(ctx, need, d.synthesize)
+    holdout = prompts[:d.holdout]
+    seen = {p.key() for p in holdout}
+    train = _first_of_each(prompts[d.holdout:], seen)
+    convs = responses(ctx, train, d.responses)
+    if num_grounded:
+        tasks = _first_of_each(grounded_prompts(convs, num_grounded, d.grounded, seed=ctx.seed), seen)
+        convs = convs + regenerate(ctx, tasks, d.responses)
+    stats = dict(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
+                 responses_truncated=sum(c.truncated for c in convs),
+                 response_tokens=sum(c.num_tokens for c in convs),
+                 source="synthesized" if not d.sources else [asdict(s) for s in d.sources])
+    return convs, holdout, stats
+
+
+def _grounded_count(ctx: DataContext, num_samples: int) -> int:
+    """How many of num_samples are grounded tasks; ValueError for settings that cannot be prepared
+    (Magpie synthesis in completion mode; kept replies without sources, or with grounded tasks)."""
+    d = ctx.data
+    if ctx.fmt == "text" and not d.sources:
         raise ValueError(
             "data.sources is empty, so prompts would be synthesized Magpie-style, which needs a chat template, "
             "and this run is in completion mode (data.format: text: a base model, or a target without a chat "
             "template). Give raw-text prompts: data.sources: [{path: corpus.txt}] (.txt/.md paragraphs, code "
             "files or a directory of them, JSONL records with a `text` field, a dataset with a `text` column)")
-    generation = generation or GenerationSettings()
-    grounded = grounded or GroundedSettings()
-    if generation.mode == "keep" and not sources:
+    if d.responses.mode == "keep" and not d.sources:
         raise ValueError("data.responses.mode: keep trains on the sources' own replies; data.sources is empty "
                          "(synthesized prompts have none): add sources or use mode: regenerate")
-    if generation.mode == "keep" and grounded.fraction:
+    if d.responses.mode == "keep" and d.grounded.fraction:
         raise ValueError("data.grounded.fraction: grounded passages must be the target's own answers, which "
                          "data.responses.mode: keep does not produce; set it to 0 or use mode: regenerate")
-    num_grounded = round(num_samples * grounded.fraction)
-    if fmt == "text" and num_grounded:  # its tasks are chat instructions ("Summarize ..."): no use to a base model
-        log.warning("data.grounded.fraction %s ignored in completion mode (data.format: text)", grounded.fraction)
+    num_grounded = round(num_samples * d.grounded.fraction)
+    if ctx.fmt == "text" and num_grounded:  # its tasks are chat instructions ("Summarize ..."): no use to a base model
+        log.warning("data.grounded.fraction %s ignored in completion mode (data.format: text)", d.grounded.fraction)
         num_grounded = 0
-    need = num_samples - num_grounded + num_holdout
-    if sources:
-        prompts = load_prompts(sources, limit=need, seed=seed)
-    else:
-        prompts = synthesize_cached(model, tokenizer, need, synthesis or SynthesisSettings(),
-                                    Path(cache_dir), target_id=target_id, seed=seed, rank=rank,
-                                    world_size=world_size, barrier=barrier, progress=progress)
-    holdout = prompts[:num_holdout]
-    seen = {p.key() for p in holdout}
-    train = _first_of_each(prompts[num_holdout:], seen)
-    common = dict(target_id=target_id, rank=rank, world_size=world_size, barrier=barrier, progress=progress, fmt=fmt)
-    convs = responses(model, tokenizer, train, generation, Path(cache_dir), **common)
-    if num_grounded:
-        tasks = _first_of_each(grounded_prompts(convs, num_grounded, grounded, seed=seed), seen)
-        convs = convs + regenerate(model, tokenizer, tasks, generation, Path(cache_dir), **common)
-    stats = dict(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
-                 responses_truncated=sum(c.truncated for c in convs),
-                 response_tokens=sum(c.num_tokens for c in convs),
-                 source="synthesized" if not sources else [asdict(s) for s in sources])
-    return convs, holdout, stats
+    return num_grounded
 
 
 def _first_of_each(prompts: list[Prompt], seen: set[str]) -> list[Prompt]:

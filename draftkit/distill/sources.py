@@ -18,30 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftkit.config import PromptSource
 from draftkit.prompts import detect_shape, read_text_prompts, record_id, to_messages, to_reply
 
 if TYPE_CHECKING:
     import datasets
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptSource:
-    # A JSON/JSONL file, a directory written by `Dataset.save_to_disk`, or a `datasets` hub id.
-    path: str
-    # Relative share of this source when `load_prompts` is given a limit (ignored without one).
-    weight: float = 1.0
-    # Split to read from a hub dataset or a saved DatasetDict (JSON files always read "train").
-    split: str = "train"
-    # Hub dataset configuration name (the `name` argument of `datasets.load_dataset`).
-    name: str | None = None
-    # Read the dataset as a stream (`datasets.load_dataset(..., streaming=True)`) instead of loading it
-    # whole: for sets larger than memory or disk. Records are read only until the run's prompt count
-    # is found (no source can contribute more), then mixed by `weight` like any source.
-    streaming: bool = False
-    # Records a streaming source is shuffled in (IterableDataset.shuffle's buffer_size), with the run's seed.
-    shuffle_buffer: int = 10_000
 
 
 @dataclass

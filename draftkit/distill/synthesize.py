@@ -12,34 +12,21 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from draftkit.config import SynthesisSettings
+
+from .context import DataContext
 from .regenerate import end_of_turn_ids
 from .sources import Prompt
 
 log = logging.getLogger(__name__)
 
 _MARKER = "XXXX_MAGPIE_USER_XXXX"
-
-
-@dataclass
-class SynthesisSettings:
-    # Sequences sampled per `generate` call.
-    batch_size: int = 32
-    # Longest user turn in tokens; one that has not ended by then is thrown away.
-    max_new_tokens: int = 128
-    # Sampling temperature; Magpie samples at 1.0 for diversity.
-    temperature: float = 1.0
-    # Nucleus sampling threshold.
-    top_p: float = 1.0
-    # Shortest and longest prompt kept, in characters after stripping whitespace.
-    min_chars: int = 16
-    max_chars: int = 2000
 
 
 def magpie_prefix(tokenizer) -> str:
@@ -54,38 +41,34 @@ def magpie_prefix(tokenizer) -> str:
     return text[: text.index(_MARKER)]
 
 
-def synthesize_prompts(
-    model, tokenizer, n: int, *, batch_size: int = 32, max_new_tokens: int = 128,
-    temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, min_chars: int = 16,
-    max_chars: int = 2000, max_attempts: int | None = None, progress: bool = True,
-) -> list[Prompt]:
-    """Sample up to `n` distinct user prompts from the target.
+def synthesize_prompts(model, tokenizer, n: int, settings: SynthesisSettings | None = None, *, seed: int = 0,
+                       max_attempts: int | None = None, progress: bool = True) -> list[Prompt]:
+    """Sample up to `n` distinct user prompts from the target (nothing cached).
 
-    Kept: turns that end with an end-of-turn token, are min_chars..max_chars long and not a
-    duplicate (case and whitespace folded). Stops after max_attempts samples (default 4n +
+    Kept: turns that end with an end-of-turn token, are settings.min_chars..max_chars long and not
+    a duplicate (case and whitespace folded). Stops after max_attempts samples (default 4n +
     batch_size) and warns with the count when fewer than n survive. Counts are logged.
     """
-    prompts, counts = _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature,
-                                  top_p, seed, min_chars, max_chars, max_attempts, progress)
+    prompts, counts = _synthesize(model, tokenizer, n, settings or SynthesisSettings(), seed,
+                                  max_attempts=max_attempts, progress=progress)
     log.info("magpie: generated %(generated)d, unfinished %(unfinished)d, duplicates "
              "%(duplicates)d, length-filtered %(filtered)d, kept %(kept)d", counts)
     return prompts
 
 
 @torch.inference_mode()
-def _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature, top_p, seed,
-                min_chars, max_chars, max_attempts, progress,
-                batch_dir: Path | None = None) -> tuple[list[Prompt], dict]:
+def _synthesize(model, tokenizer, n: int, settings: SynthesisSettings, seed: int, *, max_attempts: int | None,
+                progress: bool, batch_dir: Path | None = None) -> tuple[list[Prompt], dict]:
     """batch_dir: where each sampled batch is kept, so an interrupted synthesis continues."""
     prefix = tokenizer(magpie_prefix(tokenizer), add_special_tokens=False)["input_ids"]
     stops = sorted(end_of_turn_ids(tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    max_attempts = max_attempts or 4 * n + batch_size
+    max_attempts = max_attempts or 4 * n + settings.batch_size
     counts = dict(generated=0, unfinished=0, duplicates=0, filtered=0, kept=0)
     seen, prompts = set(), []
     bar = tqdm(total=n, desc="magpie", unit="prompt", disable=not progress)
     while len(prompts) < n and counts["generated"] < max_attempts:
-        bs = min(batch_size, max_attempts - counts["generated"])
+        bs = min(settings.batch_size, max_attempts - counts["generated"])
         batch_file = batch_dir / f"batch-{counts['generated']}-{bs}.json" if batch_dir else None
         if batch_file is not None and batch_file.is_file():  # finished before an interruption
             rows = json.loads(batch_file.read_text())
@@ -94,8 +77,8 @@ def _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature, to
             input_ids = torch.tensor([prefix] * bs, device=model.device)  # (B, T_prefix), no padding
             rows = model.generate(
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p,
-                top_k=0, eos_token_id=stops, pad_token_id=pad,
+                max_new_tokens=settings.max_new_tokens, do_sample=True, temperature=settings.temperature,
+                top_p=settings.top_p, top_k=0, eos_token_id=stops, pad_token_id=pad,
             )[:, len(prefix):].tolist()  # (B, T_new)
             if batch_file is not None:
                 tmp = batch_file.with_suffix(f".{os.getpid()}.tmp")
@@ -109,7 +92,7 @@ def _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature, to
                 continue
             text = tokenizer.decode(row[:end], skip_special_tokens=True).strip()
             norm = re.sub(r"\s+", " ", text.lower())
-            if not min_chars <= len(text) <= max_chars:
+            if not settings.min_chars <= len(text) <= settings.max_chars:
                 counts["filtered"] += 1
             elif norm in seen:
                 counts["duplicates"] += 1
@@ -126,34 +109,25 @@ def _synthesize(model, tokenizer, n, batch_size, max_new_tokens, temperature, to
     return prompts, counts
 
 
-def synthesize_cached(
-    model, tokenizer, n: int, settings: SynthesisSettings, cache_dir: Path, *, target_id: str,
-    seed: int = 0, rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None,
-    progress: bool = True,
-) -> list[Prompt]:
-    """`synthesize_prompts` once per (target, settings, seed, n): rank 0 writes, all ranks read.
+def synthesize_cached(ctx: DataContext, n: int, settings: SynthesisSettings) -> list[Prompt]:
+    """`synthesize_prompts` once per (target, settings, seed, n) of ctx: rank 0 writes, all ranks read.
 
-    Other ranks wait in `barrier()` while rank 0 synthesizes.
+    Other ranks wait in `ctx.barrier()` while rank 0 synthesizes.
     """
-    key = json.dumps({"target": target_id, "seed": seed, "n": n, **asdict(settings)}, sort_keys=True)
-    path = Path(cache_dir) / f"prompts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
+    key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, "n": n, **asdict(settings)}, sort_keys=True)
+    path = ctx.cache_dir / f"prompts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
     # Raw sampled batches do not depend on n: a larger n reuses them, an interrupted run continues.
-    batch_key = json.dumps({"target": target_id, "seed": seed, **asdict(settings)}, sort_keys=True)
-    batch_dir = Path(cache_dir) / f"magpie-{hashlib.sha256(batch_key.encode()).hexdigest()[:16]}"
-    if rank == 0 and not path.exists():
+    batch_key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, **asdict(settings)}, sort_keys=True)
+    batch_dir = ctx.cache_dir / f"magpie-{hashlib.sha256(batch_key.encode()).hexdigest()[:16]}"
+    if ctx.rank == 0 and not path.exists():
         batch_dir.mkdir(parents=True, exist_ok=True)
-        prompts, counts = _synthesize(model, tokenizer, n, settings.batch_size, settings.max_new_tokens,
-                                      settings.temperature, settings.top_p, seed, settings.min_chars,
-                                      settings.max_chars, None, progress, batch_dir)
+        prompts, counts = _synthesize(ctx.model, ctx.tokenizer, n, settings, ctx.seed, max_attempts=None,
+                                      progress=ctx.progress, batch_dir=batch_dir)
         log.info("magpie: %s", counts)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
         os.replace(tmp, path)
-    if world_size > 1:
-        if barrier is None:
-            raise ValueError("synthesize_cached: world_size > 1 needs a barrier")
-        barrier()
+    ctx.wait_for_ranks("synthesize_cached")
     lines = path.read_text().splitlines()[:n]
     return [Prompt(**json.loads(line)) for line in lines]
-

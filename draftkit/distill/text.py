@@ -4,17 +4,14 @@
 tokens, e.g. BOS, and no template); the response is the target's continuation, ended by EOS or
 max_new_tokens; the loss covers exactly the continuation (and the EOS that ended it). With
 `data.format: auto` (the default) a target whose tokenizer has no chat template is trained this
-way, and the log says so.
+way, and the log says so. The samples (prompt ids, then the continuation's, the loss on the
+continuation) are distill/samples.py's `tokenize_completion`.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from draftkit.prompts import completion_text
-
-if TYPE_CHECKING:
-    from .regenerate import Conversation
 
 log = logging.getLogger(__name__)
 FORMATS = ("auto", "chat", "text")
@@ -40,13 +37,3 @@ def resolve_format(fmt: str, tokenizer, target_name: str) -> str:
 def completion_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a raw-text prompt: the tokenizer's own encoding (its BOS, if it adds one)."""
     return list(tokenizer(completion_text(messages))["input_ids"])
-
-
-def tokenize_completion(tokenizer, conv: Conversation) -> dict:
-    """{input_ids, loss_mask}: prompt ids, then the continuation's ids (+ EOS when it ended), the
-    mask 1 exactly on the continuation (and its EOS)."""
-    prompt = completion_ids(tokenizer, conv.prompt.messages)
-    response = list(tokenizer(conv.response, add_special_tokens=False)["input_ids"])
-    if not conv.truncated and tokenizer.eos_token_id is not None:
-        response.append(tokenizer.eos_token_id)
-    return {"input_ids": prompt + response, "loss_mask": [0] * len(prompt) + [1] * len(response)}

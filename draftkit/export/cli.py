@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from draftkit.export.formats import FORMATS
+from draftkit.export.layout import FORMATS
 
 
 def add_target_argument(parser: argparse.ArgumentParser, help_text: str) -> None:

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from draftkit.export.cli import add_target_argument, load_target_arg
-from draftkit.export.formats import FORMATS, IMPORT_ONLY
+from draftkit.export.layout import FORMATS, IMPORT_ONLY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

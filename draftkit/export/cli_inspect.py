@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from draftkit.export.cli import add_target_argument, load_target_arg
-from draftkit.export.formats import FORMATS, IMPORT_ONLY
+from draftkit.export.layout import FORMATS, IMPORT_ONLY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def inspect_dir(directory: str | Path, *, fmt: str | None = None, target=None, family: str | None = None) -> dict:
     """{'format', 'family', 'lines': [...], 'problems': [...]}; problems empty = loads and fits."""
     from draftkit.export.contract import check_target, describe, make_contract
-    from draftkit.export.formats import (ExportError, detect_format, dtype_name, find_contract, layout_for, read_dir,
-                                         to_native)
+    from draftkit.export.files import dtype_name, find_contract, read_dir
+    from draftkit.export.formats import ExportError, detect_format, layout_for, to_native
 
     directory = Path(directory)
     report: dict = {"directory": str(directory), "lines": [], "problems": []}

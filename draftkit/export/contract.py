@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import draftkit
+from draftkit.export.files import dtype_name, native_config
 from draftkit.heads.registry import head_class
 from draftkit.target import FINAL
 
@@ -19,14 +20,12 @@ DRAFTKIT_LAYERS = ("draftkit: i = residual stream entering target decoder layer 
 
 
 def feature_layers(native: dict) -> list[int]:
-    from draftkit.export.formats import native_config
 
     family = native["family"]
     return list(head_class(family).feature_layers_of(native_config(family, native, "config")))
 
 
 def make_contract(native: dict, tensors: dict, fmt: str, layout) -> dict[str, Any]:
-    from draftkit.export.formats import dtype_name
 
     layers = feature_layers(native)
     engine_layers = layout.layer_ids_out(layers) if layout else layers

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from draftkit.export.formats import (Context, ExportError, Layout, Shapes, check_shared, llama_config_in,
-                                     llama_config_out, register)
-from draftkit.export.vllm import EAGLE3_NAMES, EAGLE_NAMES, eagle3_config_in, eagle3_config_out, eagle3_shapes, eagle_shapes
-from draftkit.export.vllm import eagle3_tensors_in
+from draftkit.export.layout import Context, ExportError, Layout, Shapes, check_shared, register
+from draftkit.export.llama_drafts import (EAGLE3_NAMES, EAGLE_NAMES, eagle3_config_in, eagle3_config_out,
+                                          eagle3_shapes, eagle3_tensors_in, eagle_shapes, llama_config_in,
+                                          llama_config_out)
 from draftkit.heads.base import HeadConfig
 
 

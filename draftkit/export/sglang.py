@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from draftkit.export.formats import (Context, ExportError, Layout, llama_config_in, llama_config_out, refuse,
-                                     refuse_target, register)
-from draftkit.export.vllm import (EAGLE3_NAMES, EAGLE_NAMES, GEMMA_EMBEDDING, GEMMA_TYPES, eagle3_config_in,
-                                  eagle3_config_out, eagle3_shapes, eagle3_tensors_in, eagle3_tensors_out, eagle_shapes)
+from draftkit.export.layout import Context, ExportError, Layout, refuse, refuse_target, register
+from draftkit.export.llama_drafts import (EAGLE3_NAMES, EAGLE_NAMES, GEMMA_EMBEDDING, GEMMA_TYPES, eagle3_config_in,
+                                          eagle3_config_out, eagle3_shapes, eagle3_tensors_in, eagle3_tensors_out,
+                                          eagle_shapes, llama_config_in, llama_config_out)
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------
 # python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle / LlamaModel):

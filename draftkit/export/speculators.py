@@ -6,9 +6,9 @@ vllm/transformers_utils/configs/speculators/{base,algos}.py.
 """
 from __future__ import annotations
 
-from draftkit.export.formats import Context, ExportError, Layout, Shapes, refuse, refuse_target, register
-from draftkit.export.vllm import (GEMMA_EMBEDDING, GEMMA_TYPES, VLLM_LAYERS, eagle3_config_in, eagle3_config_out,
-                                  eagle3_shapes, eagle3_tensors_in, eagle3_tensors_out)
+from draftkit.export.layout import Context, ExportError, Layout, Shapes, refuse, refuse_target, register
+from draftkit.export.llama_drafts import (GEMMA_EMBEDDING, GEMMA_TYPES, VLLM_LAYERS, eagle3_config_in,
+                                          eagle3_config_out, eagle3_shapes, eagle3_tensors_in, eagle3_tensors_out)
 
 # speculators ships model classes for eagle3, mtp, dflash, dspark and peagle (src/speculators/models/);
 # EAGLE-1 and Medusa have none there, and vLLM's speculators algos.py registers no updater for them.

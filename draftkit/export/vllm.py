@@ -7,27 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from draftkit.export.formats import (
-    Context, ExportError, Layout, Shapes, check_shared, llama_config_in, llama_config_out, llama_layer_shapes, refuse,
-    refuse_target, register,
-    zero_bias_dropped)
+from draftkit.export.layout import Context, ExportError, Layout, Shapes, refuse, refuse_target, register, zero_bias_dropped
+from draftkit.export.llama_drafts import (EAGLE3_NAMES, EAGLE_NAMES, GEMMA_EMBEDDING, GEMMA_TYPES, VLLM_LAYERS,
+                                          eagle3_config_in, eagle3_config_out, eagle3_shapes, eagle3_tensors_in,
+                                          eagle3_tensors_out, eagle_shapes, llama_config_in, llama_config_out)
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------
 # vllm/model_executor/models/llama_eagle.py (EagleLlamaForCausalLM / LlamaModel):
 #   fc = Linear(2H, H, bias=False); layers.{i} = LlamaDecoderLayer with layer 0's input_layernorm
 #   replaced by Identity; output = hidden + residual (no final norm); embed_tokens and lm_head are
 #   shared from the target (embed_tokens.* is skipped when PP == 1; there is no lm_head param).
-EAGLE_NAMES = (("fc.", "fc."), ("layers.{i}.", "layers.{i}."))
-
-
-def eagle_shapes(c: dict, fc_bias: bool = False) -> Shapes:
-    H = c["hidden_size"]
-    s: Shapes = {"fc.weight": (H, 2 * H)}
-    if fc_bias:
-        s["fc.bias"] = (H,)
-    for i in range(c["num_hidden_layers"]):
-        s.update(llama_layer_shapes(f"layers.{i}.", c, input_norm=i > 0))
-    return s
 
 
 def _eagle_out(n: dict, ctx: Context) -> dict:
@@ -75,76 +64,7 @@ register(Layout(
 #   A tensor named draft_id_to_target_id would NOT load (it gets a `model.` prefix and is then
 #   skipped), so the file keeps the reference name `d2t`.
 #   embed_tokens is shared from the target when the file has none.
-# Aux layer ids: vllm/v1/worker/gpu_model_runner.py (_get_eagle3_aux_layers_from_config) reads
-#   config.eagle_aux_hidden_state_layer_ids (or eagle_config[...]) as is, and
-#   vllm/model_executor/models/llama.py captures `hidden_states + residual` BEFORE layer idx:
-#   draftkit's convention. Before layer 0 residual is still None, so 0 cannot be captured there.
-EAGLE3_NAMES = (("fc.", "fc."), ("midlayer.", "midlayer."), ("norm.", "norm."), ("lm_head.", "lm_head."),
-                ("d2t", "d2t"), ("t2d", "t2d"))
-VLLM_LAYERS = ("vLLM: i = hidden_states + residual captured before target decoder layer i "
-               "(vllm/model_executor/models/llama.py); the same as draftkit's")
-
-
-def eagle3_shapes(c: dict) -> Shapes:
-    H, N = c["hidden_size"], c.get("draft_vocab_size") or c["vocab_size"]
-    if c.get("num_hidden_layers", 1) != 1:
-        raise ExportError(f"config.json: num_hidden_layers={c['num_hidden_layers']}; draftkit's EAGLE-3 "
-                          "head has exactly one midlayer")
-    return {"fc.weight": (H, 3 * c.get("target_hidden_size", H)), "norm.weight": (H,),
-            "lm_head.weight": (N, H), "d2t": (N,), "t2d": (c["vocab_size"],),
-            **llama_layer_shapes("midlayer.", c, d_in=2 * H, input_norm=True, hidden_norm=True)}
-
-
-def eagle3_config_out(n: dict, arch: str) -> dict:
-    layers = list(n["feature_layers"])
-    if -1 in layers:
-        raise ExportError("feature_layers: -1 (the final norm output) cannot be an aux hidden state in the engines")
-    return {"architectures": [arch], **llama_config_out(n, 1), "draft_vocab_size": n["draft_vocab_size"],
-            # vLLM's speculators path defaults norm_before_residual to True when absent (algos.py):
-            # draftkit's midlayer keeps the un-normalised hidden as the residual.
-            "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": layers}
-
-
-def eagle3_config_in(c: dict, ctx: Context, layer_ids: list[int] | None) -> dict:
-    if c.get("norm_before_residual"):
-        raise ExportError("config.json: norm_before_residual=true; draftkit's EAGLE-3 midlayer adds the "
-                          "un-normalised hidden as the residual")
-    if c.get("bias"):
-        raise ExportError("config.json: bias=true (fc with a bias); draftkit's EAGLE-3 fc has none")
-    arch = llama_config_in(c)
-    if layer_ids is None:  # the engines' default: (2, N // 2, N - 3) of the target, as draftkit's
-        n = ctx.native.get("target", {}).get("num_layers") or ctx.need_target(
-            "config.json has no eagle_aux_hidden_state_layer_ids; the default depends on the target").num_layers
-        layer_ids = [2, n // 2, n - 3]
-    return {**arch, "draft_vocab_size": c.get("draft_vocab_size") or c["vocab_size"],
-            "feature_layers": list(layer_ids)}
-
-
-def d2t_to_t2d(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
-    ids = torch.arange(d2t.shape[0]) + d2t.long()
-    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != ids.numel()):
-        raise ExportError(f"d2t: draft ids do not map onto distinct target ids in 0..{vocab - 1}")
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[ids] = True
-    return t2d
-
-
-def eagle3_tensors_out(state: dict, ctx: Context) -> dict:
-    # The engines read only d2t; t2d travels as the reference layout has it, and must agree.
-    if not torch.equal(d2t_to_t2d(state["d2t"], state["t2d"].shape[0]), state["t2d"].bool()):
-        raise ExportError("t2d disagrees with d2t (the engines read only d2t, so t2d would be ignored)")
-    return state
-
-
-def eagle3_tensors_in(state: dict, ctx: Context) -> dict:
-    if "embed_tokens.weight" in state:
-        state = check_shared(state, "embed_tokens.weight", ctx.need_target("embed_tokens.weight is stored").embed_tokens.weight, ctx)
-    state["d2t"] = state["d2t"].long()
-    t2d = d2t_to_t2d(state["d2t"], ctx.native["vocab_size"])
-    if "t2d" in state and not torch.equal(state["t2d"].bool(), t2d):
-        raise ExportError("t2d disagrees with d2t (draft ids are target id - offset)")
-    state["t2d"] = t2d
-    return state
+# Aux layer ids: VLLM_LAYERS (llama_drafts.py, shared with the speculators format vLLM serves).
 
 
 def _eagle3_ids(c: dict) -> list[int] | None:
@@ -250,9 +170,6 @@ refuse("vllm", "mtp", MTP_REFUSAL)
 # draftkit's heads are trained on that scaled embedding. vLLM's llama_eagle.py / llama_eagle3.py
 # call the shared embed_tokens directly, unscaled; vLLM's gemma3.py Gemma3ForCausalLM does not
 # implement SupportsEagle3 either, so it cannot hand EAGLE-3 its aux hidden states.
-GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
-GEMMA_EMBEDDING = ("the target scales its token embedding by sqrt(hidden_size) inside the model and the head "
-                   "was trained on that, but {src} embeds draft tokens with the target's embed_tokens unscaled")
 refuse_target("vllm", ("eagle", "eagle3"), GEMMA_TYPES,
               GEMMA_EMBEDDING.format(src="vllm/model_executor/models/llama_eagle*.py")
               + " (and vLLM's gemma3.py implements no SupportsEagle3)")

@@ -131,10 +131,12 @@ def synthesize_prompts(target, n: int, seed: int = 0, max_tokens: int = 64,
     draftkit.distill is imported here, not at the top: it imports with the core dependencies
     (`datasets` only once a dataset is read), but eval with --prompts has no use for it.
     """
+    from draftkit.config import SynthesisSettings
     from draftkit.distill.synthesize import synthesize_prompts as magpie
 
-    return as_prompts(magpie(target.model, target.tokenizer, n, batch_size=max(n, 1), max_new_tokens=max_tokens,
-                             seed=seed, max_attempts=2 * n, progress=progress))
+    settings = SynthesisSettings(batch_size=max(n, 1), max_new_tokens=max_tokens)
+    return as_prompts(magpie(target.model, target.tokenizer, n, settings, seed=seed, max_attempts=2 * n,
+                             progress=progress))
 
 
 # ---------------------------------------------------------------------------------------------

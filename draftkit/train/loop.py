@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import random
 import signal
@@ -79,12 +78,6 @@ def heldout_sums(forward, samples: list[dict], micro: int, world: int = 1, rank:
     return sums
 
 
-def samples_needed(recipe: Recipe, global_batch: int) -> int:
-    if recipe.data.num_prompts is not None:
-        return recipe.data.num_prompts
-    return max(1, math.ceil(recipe.train.max_steps * global_batch / max(1, recipe.train.epochs)))
-
-
 def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -> Prepared:
     """Stage 1 (distill/prepare.py: responses -> shards, or the finished shards found), then read them."""
     from draftkit.distill.prepare import load_prepared, prepare
@@ -154,7 +147,7 @@ class Trainer:
         self.found = None  # stage 1's data when the shell was chosen (read once, in unstored_features)
         if why is None:
             shell = load(transformer=False)
-            why, found = unstored_features(r, shell, samples_needed(r, self.global_batch))
+            why, found = unstored_features(r, shell, r.samples_needed(self.global_batch))
             if not any_true(why is not None, self.dist.device):
                 self.found = found
                 if self.main:
@@ -172,7 +165,7 @@ class Trainer:
         r = self.recipe
         t0 = time.time()
         self.data = (checked(self.found) if self.found is not None else
-                     prepare_data(r, self.target, self.dist, samples_needed(r, self.global_batch)))
+                     prepare_data(r, self.target, self.dist, r.samples_needed(self.global_batch)))
         if self.main:
             log.info("data: %d training samples, %d held-aside (%.0f s): %s", len(self.data.train),
                      len(self.data.holdout_samples), time.time() - t0, json.dumps(self.data.stats, default=str))
