@@ -15,8 +15,8 @@ import torch
 
 from draftkit.cli import main as cli
 from draftkit.heads import build_head
-from draftkit.inference.decoder import SpecError
 from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.errors import SpecError
 from draftkit.inference.evaluate import EvalSettings, evaluate, read_prompt_file
 from draftkit.inference.report import format_table, write_report
 from tests.conftest import LOOP_PROMPTS, fit_on_greedy_continuations

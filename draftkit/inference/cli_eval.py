@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from draftkit.inference.calibrate import calibrate
-from draftkit.inference.decoder import ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, SpecError, check_acceptance
+from draftkit.inference.errors import SpecError
+from draftkit.inference.typical import ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, check_acceptance
 from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
 from draftkit.inference.evaluate import METHODS, EvalPrompt, EvalSettings, evaluate, read_prompt_file, synthesize_prompts
 from draftkit.inference.rejection import RejectionSampler

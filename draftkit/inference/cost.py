@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from draftkit.inference.decoder import SpecDecoder, TargetCache, left_pad
+from draftkit.inference.cache import TargetCache, left_pad
+from draftkit.inference.decoder import SpecDecoder
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.tree import SOURCE_HEAD, SOURCE_LOOKUP, TreeShape
 
@@ -196,6 +197,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     from draftkit.inference.ngram import NgramDrafter
 
     base = base or DraftSettings()
+    max_depth = min(max_depth, getattr(head, "max_tree_depth", None) or max_depth)  # DFlash: block_size - 1
     ctx = context or (prompts[0] * (1 + 256 // max(len(prompts[0]), 1)))[:256]
     t0 = time.perf_counter()
     verify_ms = measure_verify(target, ctx)
