@@ -127,7 +127,8 @@ def main() -> None:
                    else train(family, args, data_overrides) for family in args.families}
 
     from draftkit.heads import load_head
-    from draftkit.inference.evaluate import evaluate, read_prompt_file
+    from draftkit.inference.drafters import DraftSettings
+    from draftkit.inference.evaluate import EvalSettings, evaluate, read_prompt_file
     from draftkit.target import load_target
 
     target = load_target(base.get("target", {}).get("path"), dtype=args.dtype)
@@ -137,9 +138,10 @@ def main() -> None:
     rows = []
     for name, run in trained.items():
         head = load_head(run["head_dir"], target).to(target.dtype).eval()
-        rep = evaluate(target, head, prompts, k=min(args.k, head.max_draft_tokens or args.k),
-                       temperatures=args.temperatures, max_new_tokens=args.max_new_tokens, baseline=True,
-                       ngram=False)
+        chain = DraftSettings(mode="chain", k=min(args.k, head.max_draft_tokens or args.k))
+        rep = evaluate(target, head, prompts, EvalSettings(draft=chain, compare=("plain",),
+                                                           temperatures=tuple(args.temperatures),
+                                                           max_new_tokens=args.max_new_tokens))
         row = {"name": name, "family": head.family, "head_dir": run["head_dir"],
                "params": sum(p.numel() for p in head.parameters()),
                "train_seconds": run.get("train_seconds"),

@@ -26,7 +26,7 @@ from draftkit.inference.calibrate import calibration_prompts
 from draftkit.inference.cost import Candidate, auto_draft, predict, trace_prompt
 from draftkit.inference.decoder import SpecDecoder, plain_generate, stop_token_ids
 from draftkit.inference.evaluate import _prepare, read_prompt_file
-from draftkit.inference.report import _atomic_write
+from draftkit.inference.report import atomic_write
 from draftkit.inference.sampling import SamplingParams
 from draftkit.target import load_target
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             lines.append(f"| {T:g} | {c.label()}{' *' if c == cal.choice else ''} | {p['tau']:.2f} | {m['tau']:.2f} | "
                          f"{p['speedup']:.2f}x | {m['speedup']:.2f}x | {100 * err:+.1f}% |{own_cells}")
         result["runs"].append(run)
-        _atomic_write(Path(args.out), json.dumps(result, indent=2, default=str))
+        atomic_write(Path(args.out), json.dumps(result, indent=2, default=str))
     print("| T | shape (* = auto's choice) | tau predicted | tau measured | speedup predicted | measured | error | "
           "on the measured prompts' own traces: tau / speedup (error) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -1,13 +1,30 @@
 """`draftkit` subcommands: thin shells over the modules that do the work.
 
-Each command lives in a module exposing `add_arguments(parser)` and `run(args) -> int`; modules are
-imported only when their command runs, so `draftkit eval` never imports DeepSpeed.
+Each command lives in a module exposing `add_arguments(parser)` and `run(args) -> int` (and, if it
+wants, HELP_FORMATTER); modules are imported only when their command runs, so `draftkit eval` never
+imports DeepSpeed.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
+
+DESCRIPTION = ("draftkit: train speculative-decoding draft heads (EAGLE, EAGLE-3, Medusa, MTP) against a frozen "
+               "target model, measure their real acceptance and speedup, and export them for serving engines.")
+EPILOG = "Typical run: draftkit plan RECIPE; draftkit train RECIPE; draftkit eval --head RUN/head; draftkit export ..."
+
+
+def version() -> str:
+    """The installed package's version (importlib.metadata); the source tree's when not installed."""
+    try:
+        return importlib.metadata.version("draftkit")
+    except importlib.metadata.PackageNotFoundError:
+        import draftkit
+
+        return f"{draftkit.__version__} (not installed)"
+
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("draftkit.plan", "what a recipe's run will cost (params, memory per rank, data, steps) and what is wrong"),
@@ -22,15 +39,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="draftkit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="draftkit", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"draftkit {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] not in COMMANDS:
+    if not argv or argv[0] not in COMMANDS:  # --version prints and exits inside parse_args
         parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    cmd = argparse.ArgumentParser(prog=f"draftkit {argv[0]}", description=COMMANDS[argv[0]][1])
+    cmd = argparse.ArgumentParser(prog=f"draftkit {argv[0]}", description=COMMANDS[argv[0]][1],
+                                  formatter_class=getattr(module, "HELP_FORMATTER", argparse.HelpFormatter))
     module.add_arguments(cmd)
     return int(module.run(cmd.parse_args(argv[1:])) or 0)
 

@@ -33,8 +33,11 @@ class TargetConfig:
     path: str | None = None
     # GGUF file name inside `path` when `path` is a directory holding a .gguf.
     gguf_file: str | None = None
-    # Dtype the frozen target runs in: bfloat16 (fast feature extraction) or float32 (exact).
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    # Dtype the frozen target runs in. "auto" = bfloat16 where the device multiplies bf16 natively
+    # (a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16), else float32 (bf16 is emulated there and
+    # several times slower); the log says which, and from which CPU flags (draftkit.target.resolve_dtype).
+    # bfloat16 / float32 / float16 force one (float32: exact).
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     # Allow model code from the checkpoint's repository. Off unless you trust the source.
     trust_remote_code: bool = False
 

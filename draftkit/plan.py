@@ -20,7 +20,7 @@ import torch
 
 from draftkit.config import Recipe, load_recipe
 from draftkit.schema import ConfigError
-from draftkit.target import DTYPES, FINAL, Target, TargetError, check_rope_support, embedded_model_dir
+from draftkit.target import AUTO_DTYPE, DTYPES, FINAL, Target, TargetError, check_rope_support, embedded_model_dir
 
 GiB = 1024 ** 3
 
@@ -139,8 +139,9 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
         check_rope_support(cfg)
     except TargetError as e:
         problems.append(("error", str(e)))
-    target = meta_target(cfg, r.target.dtype, name)
-    tbytes = {"bfloat16": 2, "float16": 2, "float32": 4}[r.target.dtype]
+    tdtype = "bfloat16" if r.target.dtype == AUTO_DTYPE else r.target.dtype  # auto: bf16 on the planned GPUs
+    target = meta_target(cfg, tdtype, name)
+    tbytes = {"bfloat16": 2, "float16": 2, "float32": 4}[tdtype]
     try:
         ds = build_deepspeed_config(r, s.world_size, on_cuda=True)
     except ConfigError as e:
@@ -197,7 +198,7 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     # ---- what does not fit ----
     cap = s.gpu_memory_gib * GiB
     if target_weights > 0.9 * cap:
-        problems.append(("error", f"target: {target_weights / GiB:.1f} GiB of {r.target.dtype} weights do not fit "
+        problems.append(("error", f"target: {target_weights / GiB:.1f} GiB of {tdtype} weights do not fit "
                          f"one {s.gpu_memory_gib:g} GiB GPU with room to work; draftkit replicates the frozen target "
                          "on every rank and does not shard it (tensor parallel / ZeRO-3 inference): use a GPU "
                          "with more memory or a smaller target"))
@@ -241,7 +242,7 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
 
     return {
         "target": {"name": name, "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
-                   "params": target_params, "dtype": r.target.dtype, "layers": n_layers,
+                   "params": target_params, "dtype": tdtype, "layers": n_layers,
                    "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "context": ctx,
                    "sliding_window": window, "rope": dict(getattr(cfg, "rope_parameters", None) or {})},
         "head": {"type": r.head["type"], "params": head_params, "feature_layers": list(layers),

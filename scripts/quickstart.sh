@@ -7,5 +7,7 @@ bash scripts/setup.sh
 export WANDB_MODE="${WANDB_MODE:-offline}"
 .venv/bin/deepspeed --master_port "${MASTER_PORT:-29500}" draftkit/train/run.py recipes/quick.yaml "$@"
 # --draft auto (the default): measures verify/draft cost and acceptance once, picks chain/tree/hybrid sizes,
-# writes them to runs/quick/head/config.json (draft:), then compares plain, lookup, head and hybrid side by side.
-.venv/bin/draftkit eval --head runs/quick/head --num-synthesized 8 --max-new-tokens 64 --dtype bfloat16 --out runs/quick/eval
+# writes them to runs/quick/eval/draft.json (reused by the next eval with this --out; the head is not touched),
+# then compares plain, lookup, head and hybrid side by side. --dtype auto (the default): bf16 where the CPU/GPU
+# multiplies it natively, else fp32.
+.venv/bin/draftkit eval --head runs/quick/head --num-synthesized 8 --max-new-tokens 64 --out runs/quick/eval

@@ -15,9 +15,11 @@ import torch
 
 from draftkit.cli import main as cli
 from draftkit.heads import build_head
+from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.errors import SpecError
-from draftkit.inference.evaluate import evaluate, read_prompt_file
+from draftkit.inference.evaluate import EvalSettings, evaluate, read_prompt_file
 from draftkit.inference.report import format_table, write_report
+from tests.conftest import LOOP_PROMPTS, fit_on_greedy_continuations
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KEYS = ("tau", "acceptance_per_position", "tokens_per_s", "baseline_tokens_per_s", "speedup",
@@ -25,6 +27,12 @@ KEYS = ("tau", "acceptance_per_position", "tokens_per_s", "baseline_tokens_per_s
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def chain(k: int | None = None, compare=("plain", "lookup"), **fields) -> EvalSettings:
+    """EvalSettings of a chain of k (lookup's chain as long) beside `compare`; k None: the default hybrid."""
+    draft = DraftSettings(mode="chain", k=k, lookup_len=k) if k is not None else DraftSettings()
+    return EvalSettings(draft=draft, compare=tuple(compare), **fields)
 
 
 def chat_target(seed=0):
@@ -57,10 +65,21 @@ def saved(tmp_path_factory, target):
     return root
 
 
+@pytest.fixture(scope="module")
+def fitted(target):
+    """An EAGLE head trained on the target's greedy continuations of LOOP_PROMPTS (conftest): its
+    drafts are accepted there (tau well above 1), so equality checks run where the loop commits
+    accepted drafts and rolls back the rest."""
+    torch.manual_seed(0)
+    head = build_head({"type": "eagle"}, target)
+    fit_on_greedy_continuations(target, head, steps=200)
+    return head.eval()
+
+
 def test_evaluate_report(target, tmp_path):
     prompts = read_prompt_file(FIXTURES / "data" / "mtbench.jsonl") + read_prompt_file(FIXTURES / "data" / "prompt.jsonl")
     head = build_head({"type": "eagle"}, target)
-    rep = evaluate(target, head, prompts, k=3, temperatures=(0.0, 0.7), max_new_tokens=12, batch_size=2)
+    rep = evaluate(target, head, prompts, chain(3, temperatures=(0.0, 0.7), max_new_tokens=12, batch_size=2))
     assert all(key in rep for key in KEYS)
     assert rep["status"] == "complete" and rep["num_prompts"] == 4 and rep["k"] == 3 and rep["temperature"] == 0.0
     assert rep["greedy_mismatches"] == 0 and rep["ngram_greedy_mismatches"] == 0
@@ -72,7 +91,10 @@ def test_evaluate_report(target, tmp_path):
     assert set(rep["per_category"]) == {"writing", "math", "all"}
     assert rep["per_category"]["math"]["num_prompts"] == 1
     assert [r["temperature"] for r in rep["runs"]] == [0.0, 0.7] and rep["runs"][1]["greedy_mismatches"] is None
-    assert rep["speedup"] > 0 and rep["ngram"] == rep["methods"]["lookup"]
+    # speedup is the ratio of the two tokens/s this report states, the main method's and lookup's alike
+    assert rep["speedup"] == rep["tokens_per_s"] / rep["baseline_tokens_per_s"]
+    lookup = rep["methods"]["lookup"]
+    assert lookup["speedup"] == lookup["tokens_per_s"] / rep["baseline_tokens_per_s"] and rep["ngram"] == lookup
     paths = write_report(rep, tmp_path)
     names = {p.name for p in paths}
     assert {"report.json", "report.md"} <= names
@@ -82,9 +104,35 @@ def test_evaluate_report(target, tmp_path):
     assert "tau" in format_table(rep) and "| T |" in (tmp_path / "report.md").read_text()
 
 
+def test_greedy_check_where_drafts_are_accepted(target, fitted, monkeypatch):
+    """T = 0 with a fitted head: every method equals plain decoding while its drafts are accepted
+    (tau > 1.5), and a wrong token in any method's output is reported as that method's mismatch
+    at the position it was planted."""
+    from draftkit.inference.decoder import SpecDecoder
+
+    s = EvalSettings(draft=DraftSettings(mode="hybrid", topk=2, depth=3, budget=6, lookup_len=4), max_new_tokens=12)
+    rep = evaluate(target, fitted, LOOP_PROMPTS, s)
+    assert rep["status"] == "complete" and rep["main"] == "hybrid"
+    for name in ("lookup", "head", "hybrid"):
+        m = rep["methods"][name]
+        assert m["greedy_mismatches"] == 0, name
+        assert m["speedup"] == m["tokens_per_s"] / rep["baseline_tokens_per_s"], name
+    assert rep["methods"]["head"]["tau"] > 1.5 and rep["methods"]["hybrid"]["tau"] > 1.5, rep["methods"]
+    real = SpecDecoder.generate
+
+    def one_wrong_token(self, *args, **kwargs):  # the 6th new token of every row is off by one (not the warm-up's 4)
+        outs, stats = real(self, *args, **kwargs)
+        return [o[:5] + [(o[5] + 1) % target.vocab_size] + o[6:] if len(o) > 5 else o for o in outs], stats
+    monkeypatch.setattr(SpecDecoder, "generate", one_wrong_token)
+    rep = evaluate(target, fitted, LOOP_PROMPTS, s)
+    for name, prefix in (("hybrid", "greedy"), ("lookup", "ngram_greedy"), ("head", "head_greedy")):
+        assert rep["methods"][name]["greedy_mismatches"] == len(LOOP_PROMPTS), name
+        assert [d["index"] for d in rep[f"{prefix}_divergences"]] == [5] * len(LOOP_PROMPTS), name
+
+
 def test_training_time_mode_is_cheap(target):
     head = build_head({"type": "eagle"}, target)
-    rep = evaluate(target, head, ["Say hi.", [5, 6, 7, 8]], k=2, max_new_tokens=6, baseline=False, ngram=False)
+    rep = evaluate(target, head, ["Say hi.", [5, 6, 7, 8]], chain(2, (), max_new_tokens=6))
     assert rep["status"] == "complete" and rep["num_prompts"] == 2
     assert list(rep["methods"]) == ["head"] and len(rep["acceptance_per_position"]) == 2
     assert rep["speedup"] is None and rep["greedy_mismatches"] is None and "ngram" not in rep
@@ -125,12 +173,14 @@ def test_bad_input(target, tmp_path):
         read_prompt_file(empty)
     head = build_head({"type": "eagle"}, target)
     long_prompt = list(range(3, 250))
-    rep = evaluate(target, head, [long_prompt, "Hello there."], k=2, max_new_tokens=8, baseline=False, ngram=False)
+    rep = evaluate(target, head, [long_prompt, "Hello there."], chain(2, (), max_new_tokens=8))
     assert rep["num_prompts"] == 1 and "too long" in rep["skipped"][0]["reason"]
     with pytest.raises(SpecError, match="no prompt fits"):
-        evaluate(target, head, [long_prompt], k=2, max_new_tokens=8)
-    with pytest.raises(SpecError, match="k"):
-        evaluate(target, head, ["Hi"], k=0)
+        evaluate(target, head, [long_prompt], chain(2, max_new_tokens=8))
+    with pytest.raises(SpecError, match="draft.k must be an integer >= 1"):
+        evaluate(target, head, ["Hi"], chain(0))
+    with pytest.raises(SpecError, match="settings must be an EvalSettings"):
+        evaluate(target, head, ["Hi"], {"k": 2})  # the keyword form is gone; a dict is refused, named
 
 
 def test_failure_midway_leaves_a_partial_report(target, tmp_path):
@@ -146,19 +196,19 @@ def test_failure_midway_leaves_a_partial_report(target, tmp_path):
 
     head.draft = flaky
     prompts = [[5, 6, 7, 8 + i] for i in range(6)]
-    rep = evaluate(target, head, prompts, k=2, max_new_tokens=4, raise_errors=False)
+    rep = evaluate(target, head, prompts, chain(2, max_new_tokens=4, raise_errors=False))
     assert rep["status"] == "partial" and "simulated" in rep["error"]
     assert 0 < rep["runs"][0]["done_prompts"] < 6 and rep["steps"] > 0
     paths = write_report(rep, tmp_path)
     assert json.loads(paths[0].read_text())["status"] == "partial"
     with pytest.raises(RuntimeError):
         calls["n"] = 0
-        evaluate(target, head, prompts, k=2, max_new_tokens=4)
+        evaluate(target, head, prompts, chain(2, max_new_tokens=4))
 
 
 def test_cli(saved, tmp_path, capsys):
     args = ["eval", "--head", str(saved / "run"), "--target", str(saved / "target"), "--prompts",
-            str(FIXTURES / "data" / "mtbench.jsonl"), "--k", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "a")]
+            str(FIXTURES / "data" / "mtbench.jsonl"), "--k", "2", "--dtype", "float32", "--max-new-tokens", "6", "--out", str(tmp_path / "a")]
     assert cli(args) == 0
     rep = json.loads((tmp_path / "a" / "report.json").read_text())
     assert rep["status"] == "complete" and rep["greedy_mismatches"] == 0 and rep["num_prompts"] == 2
@@ -178,7 +228,7 @@ def test_cli_refuses_a_head_of_another_target(saved, tmp_path, capsys):
     other.model.save_pretrained(tmp_path / "other")
     other.tokenizer.save_pretrained(tmp_path / "other")
     args = ["eval", "--head", str(saved / "run" / "head"), "--target", str(tmp_path / "other"), "--prompts",
-            str(FIXTURES / "data" / "prompt.jsonl"), "--k", "2", "--max-new-tokens", "4", "--no-ngram",
+            str(FIXTURES / "data" / "prompt.jsonl"), "--k", "2", "--dtype", "float32", "--max-new-tokens", "4", "--no-ngram",
             "--out", str(tmp_path / "o")]
     assert cli(args) == 2
     assert "fingerprint" in capsys.readouterr().err
@@ -194,7 +244,7 @@ def test_eval_on_the_embedded_target(tmp_path):
     build_head({"type": "eagle"}, target).save_pretrained(tmp_path / "head")
     out = tmp_path / "eval"
     rc = cli(["eval", "--head", str(tmp_path / "head"), "--prompts", str(FIXTURES / "data" / "prompt.jsonl"),
-              "--k", "3", "--max-new-tokens", "16", "--out", str(out)])
+              "--k", "3", "--dtype", "float32", "--max-new-tokens", "16", "--out", str(out)])
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["greedy_mismatches"] == 0 and rep["ngram_greedy_mismatches"] == 0 and rep["num_prompts"] == 2
@@ -202,11 +252,11 @@ def test_eval_on_the_embedded_target(tmp_path):
 
 
 def test_ngram_only_without_a_head(target):
-    rep = evaluate(target, None, ["Repeat: a b c a b c a b c", "Count to five."], k=3, max_new_tokens=10)
+    rep = evaluate(target, None, ["Repeat: a b c a b c a b c", "Count to five."], chain(3, max_new_tokens=10))
     assert rep["drafter"] == "ngram" and rep["greedy_mismatches"] == 0 and list(rep["methods"]) == ["lookup"]
     assert rep["main"] == "lookup" and rep["num_prompts"] == 2
     with pytest.raises(SpecError, match="nothing to evaluate"):
-        evaluate(target, None, ["Hi"], ngram=False)
+        evaluate(target, None, ["Hi"], chain(None, ("plain",)))
 
 
 def test_synthesized_prompts_are_user_turns(target, monkeypatch):
@@ -236,8 +286,8 @@ def test_typical_acceptance_is_reported_as_lossy(target, tmp_path, capsys):
     """--acceptance typical: the report names the rule and says LOSSY; the T = 0 check still runs."""
     head = build_head({"type": "medusa", "num_heads": 3}, target)
     prompts = ["Say hi.", [5, 6, 7, 8]]
-    rep = evaluate(target, head, prompts, k=3, temperatures=(0.0, 0.7), max_new_tokens=8, ngram=False,
-                   acceptance="typical", typical_epsilon=0.1, typical_delta=0.25)
+    rep = evaluate(target, head, prompts, chain(3, ("plain",), temperatures=(0.0, 0.7), max_new_tokens=8,
+                                                acceptance="typical", typical_epsilon=0.1, typical_delta=0.25))
     assert rep["status"] == "complete" and rep["acceptance"] == "typical (lossy, eps=0.1, delta=0.25)"
     assert rep["lossless"] is False and rep["greedy_mismatches"] is not None  # reported, whatever it is
     write_report(rep, tmp_path / "typ")
@@ -247,16 +297,16 @@ def test_typical_acceptance_is_reported_as_lossy(target, tmp_path, capsys):
     assert "typical (lossy" in table and "LOSSY" in table
     assert json.loads((tmp_path / "typ" / "report.json").read_text())["acceptance"].startswith("typical (lossy")
     # the default: lossless rejection sampling, said so
-    rep = evaluate(target, head, prompts, k=3, max_new_tokens=8, baseline=False, ngram=False)
+    rep = evaluate(target, head, prompts, chain(3, (), max_new_tokens=8))
     assert rep["acceptance"] == "rejection (lossless)" and rep["lossless"] is True
     assert "rejection (lossless)" in format_table(rep) and "LOSSY" not in format_table(rep)
     with pytest.raises(SpecError, match="acceptance must be one of"):
-        evaluate(target, head, prompts, acceptance="lossy")
+        evaluate(target, head, prompts, chain(acceptance="lossy"))
 
 
 def test_cli_acceptance(saved, tmp_path, capsys):
     args = ["eval", "--head", str(saved / "run"), "--target", str(saved / "target"), "--prompts",
-            str(FIXTURES / "data" / "prompt.jsonl"), "--k", "2", "--max-new-tokens", "4", "--no-ngram",
+            str(FIXTURES / "data" / "prompt.jsonl"), "--k", "2", "--dtype", "float32", "--max-new-tokens", "4", "--no-ngram",
             "--acceptance", "typical", "--typical-epsilon", "0.05", "--out", str(tmp_path / "t")]
     assert cli(args) == 0
     rep = json.loads((tmp_path / "t" / "report.json").read_text())
@@ -267,14 +317,12 @@ def test_cli_acceptance(saved, tmp_path, capsys):
     assert "typical_delta" in capsys.readouterr().err
 
 
-def test_side_by_side_head_lookup_hybrid(target, tmp_path):
+def test_side_by_side_head_lookup_hybrid(target, fitted, tmp_path):
     """One interleaved run of plain, lookup, the head's tree and the hybrid: every method lossless
-    at T = 0, per category too, accepted tokens attributed to their source, the plot drawn."""
-    from draftkit.inference.drafters import DraftSettings
-    from draftkit.inference.evaluate import EvalSettings
-
-    head = build_head({"type": "eagle"}, target).eval()
-    prompts = read_prompt_file(FIXTURES / "data" / "mtbench.jsonl") + [[5, 6, 7, 5, 6, 7, 5, 6]]
+    at T = 0 with a fitted head whose drafts are accepted, per category too, accepted tokens
+    attributed to their source, the plot drawn."""
+    head = fitted
+    prompts = read_prompt_file(FIXTURES / "data" / "mtbench.jsonl") + [[5, 6, 7, 5, 6, 7, 5, 6]] + LOOP_PROMPTS
     s = EvalSettings(draft=DraftSettings(mode="hybrid", topk=2, depth=3, budget=6, lookup_len=4),
                      temperatures=(0.0, 0.7), max_new_tokens=12)
     rep = evaluate(target, head, prompts, s)
@@ -287,6 +335,8 @@ def test_side_by_side_head_lookup_hybrid(target, tmp_path):
     assert set(rep["methods"]["lookup"]["accepted_by_source"]) <= {"lookup"}
     assert set(rep["methods"]["head"]["accepted_by_source"]) <= {"head"}
     assert set(rep["per_category"]["math"]["methods"]) == {"lookup", "head", "hybrid"}
+    assert rep["per_category"]["all"]["methods"]["hybrid"]["tau"] > 1.5  # LOOP_PROMPTS: drafts accepted
+    assert rep["methods"]["head"]["accepted_by_source"].get("head", 0) > 10  # the fitted head's, not lookup's
     assert rep["runs"][1]["methods"]["hybrid"]["tau"] == rep["runs"][1]["tau"]
     paths = write_report(rep, tmp_path)
     md = (tmp_path / "report.md").read_text()
@@ -294,28 +344,265 @@ def test_side_by_side_head_lookup_hybrid(target, tmp_path):
     assert (tmp_path / "acceptance.png").stat().st_size > 1000 and len(paths) == 3
 
 
-def test_cli_draft_auto_measures_once_and_writes_the_choice(saved, tmp_path, capsys):
-    head_dir = saved / "run" / "head"
+def block_writes_under(monkeypatch, root: Path) -> None:
+    """Make `root` read-only for this process, as a hub snapshot is, even for root (who ignores
+    chmod): every open for writing, os.open with a write flag, and rename onto a path under it
+    raises PermissionError; chmod too, for everyone else (the caller makes it writable again)."""
+    import builtins
+    import io
+    import os
+
+    root = Path(root).resolve()
+
+    def inside(p) -> bool:
+        return isinstance(p, (str, os.PathLike)) and Path(os.fspath(p)).resolve().is_relative_to(root)
+
+    def refuse(p):
+        raise PermissionError(13, "Permission denied (read-only directory, simulated)", str(p))
+
+    real_open, real_os_open, real_replace, real_rename = builtins.open, os.open, os.replace, os.rename
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        return refuse(file) if any(c in mode for c in "wax+") and inside(file) else real_open(file, mode, *args, **kwargs)
+
+    def guarded_os_open(path, flags, *args, **kwargs):
+        writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        return refuse(path) if writing and inside(path) else real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(io, "open", guarded_open)
+    monkeypatch.setattr(os, "open", guarded_os_open)
+    monkeypatch.setattr(os, "replace", lambda a, b, **kw: refuse(b) if inside(b) else real_replace(a, b, **kw))
+    monkeypatch.setattr(os, "rename", lambda a, b, **kw: refuse(b) if inside(b) else real_rename(a, b, **kw))
+    for p in [root, *root.iterdir()]:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+
+
+def snapshot(directory: Path) -> dict:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(Path(directory).iterdir())}
+
+
+@pytest.fixture
+def head_without_draft(saved, tmp_path):
+    """A copy of the saved head with no `draft:` section (nothing measured yet)."""
+    import shutil
+
+    head_dir = tmp_path / "head"
+    shutil.copytree(saved / "run" / "head", head_dir)
     cfg = json.loads((head_dir / "config.json").read_text())
     cfg.pop("draft", None)
     (head_dir / "config.json").write_text(json.dumps(cfg))
-    args = ["eval", "--head", str(head_dir), "--target", str(saved / "target"), "--prompts",
-            str(FIXTURES / "data" / "mtbench.jsonl"), "--max-new-tokens", "6", "--calibration-prompts", "1",
-            "--compare", "plain", "--out", str(tmp_path / "a")]
-    assert cli(args) == 0
-    err = capsys.readouterr().err
-    assert "measuring verify/draft cost" in err and "verify ms by width" in err
-    draft = json.loads((head_dir / "config.json").read_text())["draft"]
-    assert draft["chosen_by"].startswith("measured") and draft["measured"]["verify_ms"]
-    rep = json.loads((tmp_path / "a" / "report.json").read_text())
-    assert rep["draft"] == draft and rep["greedy_mismatches"] == 0
-    # the second run reuses the saved choice; flags override it without touching the file
-    assert cli(args[:-1] + [str(tmp_path / "b")]) == 0
-    assert "measuring" not in capsys.readouterr().err
-    assert cli(args[:-2] + ["--draft", "tree", "--tree-topk", "3", "--tree-budget", "5", "--out", str(tmp_path / "c")]) == 0
-    rep = json.loads((tmp_path / "c" / "report.json").read_text())
-    assert rep["draft"]["mode"] == "tree" and rep["draft"]["topk"] == 3 and rep["draft"]["budget"] == 5
-    assert rep["draft"]["chosen_by"] == "user" and rep["greedy_mismatches"] == 0
+    yield head_dir
+    for p in [head_dir, *head_dir.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def test_cli_draft_auto_never_writes_into_the_head(saved, head_without_draft, tmp_path, capsys, monkeypatch):
+    """--draft auto on a read-only head: measures, writes the choice to --out/draft.json, reuses it
+    from there; --draft-from reuses another eval's; the head directory is never written, and
+    --save-draft on it fails clearly (exit 2) until it is writable, then writes it atomically."""
+    head_dir = head_without_draft
+    before = snapshot(head_dir)
+    with monkeypatch.context() as blocked:
+        block_writes_under(blocked, head_dir)
+        args = ["eval", "--head", str(head_dir), "--target", str(saved / "target"), "--prompts",
+                str(FIXTURES / "data" / "mtbench.jsonl"), "--max-new-tokens", "6", "--calibration-prompts", "1",
+                "--compare", "plain", "--dtype", "float32", "--out", str(tmp_path / "a")]
+        assert cli(args) == 0
+        err = capsys.readouterr().err
+        assert "measuring verify/draft cost" in err and "verify ms by width" in err
+        record = json.loads((tmp_path / "a" / "draft.json").read_text())
+        draft = record["draft"]
+        assert draft["chosen_by"].startswith("measured") and draft["measured"]["verify_ms"]
+        assert record["head_dir"] == str(head_dir.resolve()) and record["dtype"] == "float32"
+        assert "not the shape a serving engine should use" in record["about"]
+        rep = json.loads((tmp_path / "a" / "report.json").read_text())
+        assert rep["draft"] == draft and rep["greedy_mismatches"] == 0
+        assert rep["draft_source"].startswith("measured now")
+        # the same --out: the choice is reused from its draft.json, nothing measured
+        assert cli(args) == 0
+        assert "measuring" not in capsys.readouterr().err
+        rep = json.loads((tmp_path / "a" / "report.json").read_text())
+        assert rep["draft"] == draft and rep["draft_source"] == str(tmp_path / "a" / "draft.json")
+        # another --out reuses it when told where (an eval directory, or its report.json)
+        for source in (tmp_path / "a", tmp_path / "a" / "report.json"):
+            assert cli(args[:-1] + [str(tmp_path / "c"), "--draft-from", str(source)]) == 0
+            assert "measuring" not in capsys.readouterr().err
+            assert json.loads((tmp_path / "c" / "report.json").read_text())["draft"] == draft
+        assert cli(args[:-1] + [str(tmp_path / "d"), "--draft-from", str(tmp_path / "nowhere")]) == 2
+        assert "--draft-from" in capsys.readouterr().err
+        assert cli(args[:-1] + [str(tmp_path / "e"), "--draft-from", str(tmp_path / "a"), "--save-draft"]) == 2
+        err = capsys.readouterr().err
+        assert "--save-draft: cannot write" in err and str(head_dir / "config.json") in err
+        assert snapshot(head_dir) == before  # not one byte, not one new file
+    for p in [head_dir, *head_dir.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    assert cli(args[:-1] + [str(tmp_path / "f"), "--draft-from", str(tmp_path / "a"), "--save-draft"]) == 0
     assert json.loads((head_dir / "config.json").read_text())["draft"] == draft
-    assert cli(args[:-2] + ["--draft", "tree", "--tree-topk", "0", "--out", str(tmp_path / "d")]) == 2
-    assert "draft.topk" in capsys.readouterr().err
+    assert not [p for p in head_dir.iterdir() if p.name.startswith(".")]  # the temporary file is gone
+    assert cli(args[:-1] + [str(tmp_path / "g")]) == 0  # a fresh --out: the head's saved choice
+    assert "measuring" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "g" / "report.json").read_text())["draft_source"] == str(head_dir / "config.json")
+
+
+def parse(*flags: str):
+    import argparse
+
+    from draftkit.inference.cli_eval import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(flags))
+
+
+def test_size_flags_are_kept_exactly_and_imply_the_mode():
+    """Any size flag given decides the mode (--k chain, --tree-* tree, --lookup-len/--head-off-at
+    hybrid) and keeps its value; nothing is measured then; an explicit value equal to the default
+    counts as given."""
+    from draftkit.inference.cli_eval import draft_from_flags, keep_user_values
+    from draftkit.inference.drafters import DraftSettingsError
+
+    saved = DraftSettings(mode="hybrid", topk=8, depth=1, budget=8, lookup_len=10, lookup_ngram=2,
+                          chosen_by="measured: ...", measured={"verify_ms": {"1": 1.0}})
+    for base in (None, saved):
+        d, measure = draft_from_flags(parse("--tree-topk", "2", "--tree-depth", "3"), base)
+        assert (d.mode, d.topk, d.depth, d.chosen_by, measure) == ("tree", 2, 3, "user", False)
+        assert d.budget == (base or DraftSettings()).budget and d.measured == {}
+    cases = {("--k", "3"): ("chain", {"k": 3}),
+             ("--k", "3", "--lookup-len", "5"): ("chain", {"k": 3, "lookup_len": 5}),
+             ("--lookup-len", "5"): ("hybrid", {"lookup_len": 5}),
+             ("--head-off-at", "4", "--tree-budget", "6"): ("hybrid", {"head_off_at": 4, "budget": 6}),
+             ("--draft", "lookup", "--lookup-len", "6"): ("lookup", {"lookup_len": 6}),
+             ("--draft", "tree", "--ngram-n", "3"): ("tree", {"lookup_ngram": 3})}
+    for flags, (mode, values) in cases.items():
+        d, measure = draft_from_flags(parse(*flags), saved)
+        assert d.mode == mode and not measure, flags
+        assert {k: getattr(d, k) for k in values} == values, flags
+    # --ngram-n alone implies no mode: the saved choice stays, with the user's n (3 = the default, still kept)
+    d, measure = draft_from_flags(parse("--ngram-n", "3"), saved)
+    assert (d.mode, d.topk, d.lookup_ngram, measure) == ("hybrid", 8, 3, False)
+    d, measure = draft_from_flags(parse("--ngram-n", "3"), None)
+    assert measure and d.lookup_ngram == 3  # calibration starts from the user's n
+    with pytest.raises(DraftSettingsError, match="--k is a chain's length but depth"):
+        draft_from_flags(parse("--k", "3", "--tree-depth", "2"), None)
+    # --draft calibrate measures, and the flags given win over what it chose
+    args = parse("--draft", "calibrate", "--tree-topk", "2", "--ngram-n", "3")
+    d, measure = draft_from_flags(args, None)
+    assert measure and d.topk == 2
+    kept = keep_user_values(saved, args)
+    assert (kept.mode, kept.topk, kept.lookup_ngram, kept.depth, kept.budget) == ("tree", 2, 3, 1, 8)
+    assert "kept from the flags: topk=2, lookup_ngram=3" in kept.chosen_by
+    assert keep_user_values(saved, parse("--draft", "calibrate")) == saved
+
+
+def test_cli_tree_flags_without_draft_are_not_calibrated_away(saved, head_without_draft, tmp_path, monkeypatch):
+    """The issue's case end to end: --tree-topk 2 --tree-depth 3 on a head with nothing saved runs
+    that tree, exactly, and never calibrates."""
+    import draftkit.inference.cli_eval as cli_eval
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibration ran although the user gave the draft shape")
+    monkeypatch.setattr(cli_eval, "calibrate", no_calibration)
+    args = ["eval", "--head", str(head_without_draft), "--target", str(saved / "target"), "--prompts",
+            str(FIXTURES / "data" / "prompt.jsonl"), "--tree-topk", "2", "--tree-depth", "3", "--max-new-tokens", "4",
+            "--compare", "none", "--dtype", "float32", "--out", str(tmp_path / "t")]
+    assert cli(args) == 0
+    rep = json.loads((tmp_path / "t" / "report.json").read_text())
+    assert {k: rep["draft"][k] for k in ("mode", "topk", "depth", "chosen_by")} == {
+        "mode": "tree", "topk": 2, "depth": 3, "chosen_by": "user"}
+    assert rep["draft_source"] == "flags" and rep["methods_measured"] == ["head"]
+    assert not (tmp_path / "t" / "draft.json").exists()  # nothing measured, nothing to reuse
+    assert cli(args[:-2] + ["--out", str(tmp_path / "u"), "--k", "2"]) == 2  # chain or tree? said, not guessed
+    assert cli(args[:-2] + ["--out", str(tmp_path / "v"), "--tree-topk", "0"]) == 2
+
+
+def test_compare_flag():
+    """--compare alone or unset = every method; none = only the main one; names = those."""
+    from draftkit.inference.cli_eval import compare_methods
+    from draftkit.inference.evaluate import METHODS
+
+    assert compare_methods(parse()) == METHODS == compare_methods(parse("--compare")) == compare_methods(
+        parse("--compare", "all"))
+    assert compare_methods(parse("--compare", "none")) == ()
+    assert compare_methods(parse("--compare", "plain", "hybrid")) == ("plain", "hybrid")
+    assert compare_methods(parse("--compare", "--no-baseline", "--no-ngram")) == ("head", "hybrid")
+    with pytest.raises(SpecError, match="stand alone"):
+        compare_methods(parse("--compare", "none", "plain"))
+
+
+def test_help_version_and_defaults(capsys):
+    """Every eval flag has help and shows its default; sampling's --top-k and tree drafting's
+    --tree-topk say which they are; `draftkit --help` says what the tool is; --version is the
+    installed package's."""
+    import argparse
+    import importlib.metadata
+
+    from draftkit.inference.cli_eval import HELP_FORMATTER, add_arguments
+
+    p = argparse.ArgumentParser(prog="draftkit eval", formatter_class=HELP_FORMATTER)
+    add_arguments(p)
+    fmt = HELP_FORMATTER("draftkit eval")
+    for action in p._actions:
+        if action.dest != "help":
+            assert action.help and ("default" in fmt._get_help_string(action)
+                                    or "unset" in action.help), action.option_strings
+    text = " ".join(p.format_help().split())
+    assert "--top-k TOP_K sampling:" in text and "--tree-topk TREE_TOPK tree drafting:" in text
+    assert "(default: auto)" in text and "(default: 128)" in text
+    with pytest.raises(SystemExit) as done:
+        cli(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"draftkit {importlib.metadata.version('draftkit')}"
+    assert cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "train speculative-decoding draft heads" in out and "thin shells" not in out
+
+
+def test_dtype_auto_follows_the_device(monkeypatch):
+    """auto = bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), else float32;
+    a forced dtype is kept; the why names the CPU flags; recipes and the target config say auto."""
+    from draftkit.config import TargetConfig, load_recipe
+    from draftkit.target import TargetError, resolve_dtype
+
+    for amx, avx512_bf16, want in ((False, False, "float32"), (False, True, "bfloat16"), (True, False, "bfloat16")):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        dtype, why = resolve_dtype("auto", "cpu")
+        assert dtype == want and why.startswith(f"dtype auto -> {want} (cpu flags: ")
+        assert "torch cpu capability" in why
+        assert resolve_dtype("float32", "cpu") == ("float32", "dtype float32 (forced)")
+        assert resolve_dtype("bfloat16", "cpu")[0] == "bfloat16"
+    with pytest.raises(TargetError, match="target.dtype: 'fp8'"):
+        resolve_dtype("fp8")
+    assert TargetConfig().dtype == "auto"
+    for recipe in sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")):
+        assert load_recipe(str(recipe)).target.dtype == "auto", recipe.name
+
+
+def test_cli_dtype_auto(saved, tmp_path, caplog):
+    """eval's default dtype is auto: the report's dtype is the rule's choice for this machine, and
+    the choice with its CPU flags is printed and recorded."""
+    from draftkit.target import resolve_dtype
+
+    args = ["eval", "--head", str(saved / "run"), "--target", str(saved / "target"), "--prompts",
+            str(FIXTURES / "data" / "prompt.jsonl"), "--k", "2", "--max-new-tokens", "4", "--compare", "none",
+            "--out", str(tmp_path / "a")]
+    with caplog.at_level("INFO", logger="draftkit.target"):
+        assert cli(args) == 0
+    rep = json.loads((tmp_path / "a" / "report.json").read_text())
+    dtype, why = resolve_dtype("auto", "cpu")
+    assert rep["dtype"] == dtype and rep["dtype_choice"] == why and "cpu flags:" in why
+    assert f"target {why}" in caplog.messages  # the one line the user sees
+    assert why in (tmp_path / "a" / "report.md").read_text()
+
+
+def test_a_saved_choice_is_reused_only_for_the_setup_it_was_measured_on(target, tmp_path):
+    """--out/draft.json is reused for the same head directory, target (fingerprint), dtype and
+    device only; any of them different means it was measured for something else."""
+    from draftkit.inference.cli_eval import draft_record, same_setup
+
+    rec = json.loads(json.dumps(draft_record(DraftSettings(), tmp_path / "head", target)))
+    assert same_setup(rec, tmp_path / "head", target) and same_setup(rec, tmp_path / "x" / ".." / "head", target)
+    assert not same_setup(rec, tmp_path / "other-head", target)
+    for key, value in (("dtype", "float16"), ("device", "cuda:0"), ("target", {"fingerprint": "0" * 16})):
+        assert not same_setup({**rec, key: value}, tmp_path / "head", target), key

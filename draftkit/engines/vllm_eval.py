@@ -229,8 +229,9 @@ def run_cli(args) -> int:
     from draftkit.engines.vllm import EngineError, EngineUnavailable, find_python
     from draftkit.export import ExportError
     from draftkit.heads.base import HeadError
+    from draftkit.inference.drafters import DraftSettings
     from draftkit.inference.evaluate import encode, read_prompt_file, synthesize_prompts
-    from draftkit.inference.report import _atomic_write
+    from draftkit.inference.report import atomic_write
     from draftkit.target import TargetError, load_target
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -246,14 +247,15 @@ def run_cli(args) -> int:
         methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram), ("head", False)) if not off)
         s = EngineEvalSettings(k=args.k or 3, temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens,
                                batch_sizes=(args.batch_size,), top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                               dtype=args.dtype, methods=methods, ngram=(1, args.ngram_n), python=python)
+                               dtype=str(target.dtype).replace("torch.", ""),  # --dtype auto resolved by the target
+                               methods=methods, ngram=(1, args.ngram_n or DraftSettings.lookup_ngram), python=python)
         report = engine_eval(target, _head_dir(args.head), ids, s)
     except (EngineUnavailable, EngineError, ExportError, HeadError, TargetError, ValueError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "engine_vllm.json", json.dumps(report, indent=2, default=str))
+    atomic_write(out / "engine_vllm.json", json.dumps(report, indent=2, default=str))
     print(format_report(report))
     print(f"wrote {out / 'engine_vllm.json'}")
     return 0 if report["ok"] else 1

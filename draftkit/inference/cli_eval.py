@@ -1,7 +1,22 @@
-"""`draftkit eval` command line: flags -> EvalSettings, the head and target loaded, calibration when
-the draft shape is not known, `evaluate()` (draftkit/inference/evaluate.py), and the report written.
+"""`draftkit eval` command line: flags -> EvalSettings, the head and target loaded, the draft shape
+decided (flags, a saved choice, or calibration), `evaluate()` (draftkit/inference/evaluate.py), and
+the report written.
 
     draftkit eval --head runs/eagle/head --prompts prompts.jsonl --k 5 --temperature 0 0.7 --out runs/eval
+
+Where the draft shape comes from (first that applies; `report.json` names it as `draft_source`):
+  1. --draft chain|tree|hybrid|lookup: that mode; the size flags given are kept exactly, the others
+     come from the sources below (without calibrating) or DraftSettings' defaults.
+  2. size flags without --draft imply the mode: --k => chain; --tree-topk/--tree-depth/--tree-budget
+     => tree; --lookup-len/--head-off-at (with or without --tree-*) => hybrid. (--ngram-n implies no
+     mode.) Nothing is measured.
+  3. --draft calibrate: measure now; calibration only fills what the flags left unset.
+  4. --draft auto (default): --draft-from FILE|DIR; else the head's config.json `draft:` (written
+     only by --save-draft, or an older draftkit); else the choice a previous calibration left in
+     --out/draft.json for the same head, target, dtype and device; else measure now.
+Eval never writes into the head directory unless --save-draft asks (a read-only hub snapshot
+works). A measured choice goes to --out/draft.json: the shape *draftkit's own loop* runs fastest
+on this machine, not the shape an engine should serve (that is the export contract's business).
 """
 from __future__ import annotations
 
@@ -20,57 +35,105 @@ from draftkit.inference.typical import ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_
 from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
 from draftkit.inference.evaluate import METHODS, EvalPrompt, EvalSettings, evaluate, read_prompt_file, synthesize_prompts
 from draftkit.inference.rejection import RejectionSampler
+from draftkit.target import AUTO_DTYPE, DTYPES
+
+DRAFT_FILE = "draft.json"
+DRAFT_FILE_ABOUT = ("the draft shape draftkit's own draft-verify loop measured fastest on this machine "
+                    "(draftkit eval --draft auto|calibrate); not the shape a serving engine should use")
+# size flag (argparse dest) -> DraftSettings field
+SIZE_FLAGS = {"k": "k", "tree_topk": "topk", "tree_depth": "depth", "tree_budget": "budget",
+              "lookup_len": "lookup_len", "head_off_at": "head_off_at", "ngram_n": "lookup_ngram"}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default after its help; an unset (None) default says "unset: <what rules then>"."""
+
+    def _get_help_string(self, action):
+        if action.default is None and action.option_strings:  # the help says what unset means, or says unset
+            return action.help if "unset" in (action.help or "") else (action.help or "") + " (default: unset)"
+        return super()._get_help_string(action)
+
+
+HELP_FORMATTER = HelpFormatter  # draftkit/cli.py builds `draftkit eval`'s parser with it
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", help="head directory (<output_dir>/head, or the output_dir itself); "
-                                  "without it only prompt lookup (n-gram) is measured")
-    p.add_argument("--target", help="target model dir / .gguf / hub id (default: the embedded SmolLM2-135M)")
+                                  "unset: only prompt lookup (n-gram) is measured")
+    p.add_argument("--target", help="target model dir / .gguf / hub id; unset: the embedded SmolLM2-135M")
     p.add_argument("--prompts", nargs="+", help=".json/.jsonl prompt files, or raw text for base models (.txt/.md: "
-                                                "one prompt per paragraph; code files; directories); default: "
+                                                "one prompt per paragraph; code files; directories); unset: "
                                                 "prompts synthesized by the target (needs a chat template)")
-    p.add_argument("--draft", default="auto", choices=["auto", "calibrate", *MODES],
-                   help="how the head drafts: auto (default) = the head config's `draft:` section, measured and "
-                        "written there on first use; calibrate = measure again; chain | tree | hybrid | lookup = "
-                        "that mode with the flags below (unset flags from the config's section or the defaults)")
-    p.add_argument("--k", type=int, help="chain length (chain mode; --draft chain is implied by --k alone)")
-    p.add_argument("--tree-topk", type=int, help="tree: children per expanded node and frontier width")
-    p.add_argument("--tree-depth", type=int, help="tree: levels")
-    p.add_argument("--tree-budget", type=int, help="tree: nodes kept (the verify forward feeds budget+1 tokens)")
-    p.add_argument("--lookup-len", type=int, help="lookup branch (hybrid) / chain (lookup) length")
-    p.add_argument("--head-off-at", type=int, help="hybrid: a lookup proposal this long skips the head's tree")
-    p.add_argument("--compare", nargs="*", default=list(METHODS), choices=list(METHODS),
-                   help="methods measured beside the main one, interleaved (default: all: plain lookup head hybrid)")
-    p.add_argument("--calibration-prompts", type=int, default=4,
-                   help="auto/calibrate: prompts (the first of the list) the cost model runs on (default 4)")
-    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--limit", type=int, help="evaluate at most N prompts (the first N of the files)")
+    _draft_arguments(p)
+    _sampling_arguments(p)
+    p.add_argument("--limit", type=int, help="evaluate at most N prompts (the first N of the files); unset: all")
     p.add_argument("--num-synthesized", type=int, default=16, help="prompts to synthesize without --prompts")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
+                   help="target and head dtype; auto = bfloat16 where the device multiplies bf16 natively (CUDA "
+                        "with bf16, a CPU with AVX512-BF16 or AMX), else float32; the choice is printed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--seed", type=int, default=0, help="row i samples with seed + i")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="rejection sampler")
-    p.add_argument("--acceptance", default="rejection", choices=list(ACCEPTANCE_RULES),
-                   help="verify rule: rejection = lossless rejection sampling (default); typical = Medusa's "
-                        "typical acceptance, LOSSY (chain mode only; more tokens accepted, output no longer "
-                        "the target's distribution at T > 0); the report names it")
-    p.add_argument("--typical-epsilon", type=float, default=TYPICAL_EPSILON,
-                   help=f"typical acceptance: probability floor epsilon (default {TYPICAL_EPSILON})")
-    p.add_argument("--typical-delta", type=float, default=TYPICAL_DELTA,
-                   help=f"typical acceptance: entropy-scaled bar delta (default {TYPICAL_DELTA})")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="rejection sampler kernels")
+    p.add_argument("--force", action="store_true", help="use a head whose recorded target does not match")
+    p.add_argument("--threads", type=int, help="torch CPU threads; unset: torch's default")
+    p.add_argument("--out", default="runs/eval",
+                   help="directory for report.json, report.md, acceptance.png (and draft.json when measured)")
+
+
+def _draft_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default="auto", choices=["auto", "calibrate", *MODES],
+                   help="how the head drafts: auto = a saved choice (--draft-from, the head's config.json draft:, "
+                        "--out/draft.json for this head), else measured now; calibrate = measure again; chain | "
+                        "tree | hybrid | lookup = that mode. Size flags alone imply the mode (--k: chain, --tree-*: "
+                        "tree, --lookup-len/--head-off-at: hybrid) and are never overwritten or measured")
+    p.add_argument("--draft-from", metavar="PATH",
+                   help="auto: reuse the draft shape of an earlier eval (its draft.json or report.json, or its "
+                        "--out directory)")
+    p.add_argument("--save-draft", action="store_true",
+                   help="also write the draft shape used into the head's config.json (draft:), atomically; "
+                        "without it eval never writes into the head directory")
+    p.add_argument("--k", type=int, help="chain drafting: chain length (implies --draft chain); unset: from the saved choice or 4")
+    p.add_argument("--tree-topk", type=int, help="tree drafting: children per expanded node and frontier width "
+                                                 "(implies --draft tree)")
+    p.add_argument("--tree-depth", type=int, help="tree drafting: levels (implies --draft tree)")
+    p.add_argument("--tree-budget", type=int, help="tree drafting: nodes kept; the verify forward feeds budget+1 "
+                                                   "tokens (implies --draft tree)")
+    p.add_argument("--lookup-len", type=int, help="prompt lookup: branch length in hybrid, chain length in lookup "
+                                                  "mode (implies --draft hybrid unless --k is given)")
+    p.add_argument("--head-off-at", type=int, help="hybrid drafting: a lookup proposal this long skips the head's "
+                                                   "tree (implies --draft hybrid)")
+    p.add_argument("--ngram-n", type=int, help="prompt lookup: longest n-gram matched; unset: the saved choice's "
+                                               f"or {DraftSettings.lookup_ngram}")
+    p.add_argument("--compare", nargs="*", choices=["all", "none", *METHODS], metavar="METHOD",
+                   help="methods measured beside the main one, interleaved: any of " + " ".join(METHODS)
+                        + "; `--compare` alone or `all` = all of them, `none` = only the main one; unset: all")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no equality check)")
     p.add_argument("--no-ngram", action="store_true", help="skip the prompt-lookup baseline")
-    p.add_argument("--ngram-n", type=int, default=3, help="longest n-gram the lookup drafter matches")
-    p.add_argument("--force", action="store_true", help="use a head whose recorded target does not match")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--out", default="runs/eval", help="directory for report.json, report.md, acceptance.png")
+    p.add_argument("--calibration-prompts", type=int, default=4,
+                   help="auto/calibrate: how many prompts the cost model measures on, spread evenly over the "
+                        "prompt list (after --limit), in turn from each category; they are evaluated with the "
+                        "others too")
     add_calibration_arguments(p)
     from draftkit.engines.vllm_eval import add_arguments as add_engine_arguments
     add_engine_arguments(p)  # --engine vllm, --vllm-python
+
+
+def _sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                   help="sampling: one or more temperatures, each a run; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus, smallest set of mass >= p (1 = off)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    p.add_argument("--acceptance", default="rejection", choices=list(ACCEPTANCE_RULES),
+                   help="verify rule: rejection = lossless rejection sampling; typical = Medusa's typical "
+                        "acceptance, LOSSY (chain mode only; more tokens accepted, output no longer the "
+                        "target's distribution at T > 0); the report names it")
+    p.add_argument("--typical-epsilon", type=float, default=TYPICAL_EPSILON,
+                   help="typical acceptance: probability floor epsilon")
+    p.add_argument("--typical-delta", type=float, default=TYPICAL_DELTA,
+                   help="typical acceptance: entropy-scaled bar delta")
 
 
 def resolve_head_dir(path: str) -> Path:
@@ -80,27 +143,196 @@ def resolve_head_dir(path: str) -> Path:
     return d
 
 
-def draft_from_flags(args, saved: dict | None) -> tuple[DraftSettings, bool]:
-    """DraftSettings from --draft and the size flags on top of the head's saved `draft:` section.
-    Returns (settings, needs_measuring)."""
-    flags = {"k": args.k, "topk": args.tree_topk, "depth": args.tree_depth, "budget": args.tree_budget,
-             "lookup_len": args.lookup_len, "head_off_at": args.head_off_at, "lookup_ngram": args.ngram_n}
-    given = {key: v for key, v in flags.items() if v is not None and not (key == "lookup_ngram" and v == 3)}
-    mode = args.draft
-    if mode == "auto" and set(given) == {"k"}:
-        mode = "chain"  # `--k 4` alone keeps its old meaning: a chain of 4
-    base = DraftSettings.from_dict(saved, "config.json draft") if saved else DraftSettings()
-    if mode in MODES:
+def compare_methods(args) -> tuple[str, ...]:
+    """--compare: unset, alone or `all` = every method; `none` = nothing beside the main one."""
+    chosen = args.compare
+    if chosen is None or chosen == [] or chosen == ["all"]:
+        chosen = list(METHODS)
+    elif "none" in chosen or "all" in chosen:
+        if len(chosen) > 1:
+            raise SpecError(f"--compare: `none` and `all` stand alone, got {' '.join(chosen)}")
+        chosen = []
+    return tuple(m for m in chosen if not (args.no_baseline and m == "plain") and not (args.no_ngram and m == "lookup"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The draft shape: flags first, then a saved choice, then calibration (the module doc's order)
+# ---------------------------------------------------------------------------------------------
+
+
+def given_sizes(args) -> dict:
+    """The size flags the user gave, as DraftSettings fields (argparse leaves the others None)."""
+    return {field: getattr(args, flag) for flag, field in SIZE_FLAGS.items() if getattr(args, flag) is not None}
+
+
+def implied_mode(given: dict) -> str | None:
+    """The mode the size flags imply: --k chain, --tree-* tree, --lookup-len/--head-off-at hybrid."""
+    tree = given.keys() & {"topk", "depth", "budget"}
+    if "k" in given:
+        others = sorted(tree | (given.keys() & {"head_off_at"}))
+        if others:
+            raise DraftSettingsError(f"--k is a chain's length but {', '.join(others)} belong to a tree: say which "
+                                     "with --draft chain|tree|hybrid")
+        return "chain"
+    if given.keys() & {"lookup_len", "head_off_at"}:
+        return "hybrid"
+    return "tree" if tree else None
+
+
+def draft_from_flags(args, saved: DraftSettings | None) -> tuple[DraftSettings, bool]:
+    """(settings, needs_measuring) from --draft and the size flags over `saved` (the choice --draft
+    auto found, or None). The flags given are kept exactly; calibration fills only the rest."""
+    given = given_sizes(args)
+    mode = args.draft if args.draft in MODES else implied_mode(given)
+    base = saved or DraftSettings()
+    if mode is not None and args.draft != "calibrate":
         return replace(base, mode=mode, chosen_by="user", measured={}, **given), False
-    if mode == "auto" and saved and not given:
-        return base, False
+    if args.draft == "auto" and saved is not None:
+        return replace(base, **given), False
     return replace(base, **given), True
 
 
+def keep_user_values(chosen: DraftSettings, args) -> DraftSettings:
+    """Calibration's choice with every size flag the user gave (and the mode they imply) put back."""
+    given = given_sizes(args)
+    mode = implied_mode(given)
+    kept = replace(chosen, **given, **({"mode": mode} if mode else {}))
+    if kept == chosen:
+        return chosen
+    return replace(kept, chosen_by=f"{chosen.chosen_by}; kept from the flags: "
+                                   + ", ".join(f"{k}={v}" for k, v in given.items()))
+
+
+def read_draft_file(path: str | Path) -> dict:
+    """The `draft` record of an earlier eval: its draft.json, its report.json, or its --out directory."""
+    p = Path(path)
+    if p.is_dir():
+        p = next((p / n for n in (DRAFT_FILE, "report.json") if (p / n).is_file()), p / DRAFT_FILE)
+    if not p.is_file():
+        raise DraftSettingsError(f"--draft-from {path}: no such file (expected a draft.json, a report.json or "
+                                 "an eval --out directory holding one)")
+    try:
+        record = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftSettingsError(f"{p}: not valid JSON: {e}") from e
+    if not isinstance(record, dict) or not isinstance(record.get("draft"), dict):
+        raise DraftSettingsError(f"{p}: no `draft` object (expected draftkit eval's draft.json or report.json)")
+    DraftSettings.from_dict(record["draft"], f"{p} draft")  # a clear error now, naming the file and field
+    return {**record, "path": str(p)}
+
+
+def draft_record(draft: DraftSettings, head_dir: Path, target) -> dict:
+    """What draft.json holds: the choice and what it was measured for."""
+    return {"about": DRAFT_FILE_ABOUT, "draft": draft.to_dict(), "head_dir": str(Path(head_dir).resolve()),
+            "target": {"name": target.name, "fingerprint": target.fingerprint},
+            "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
+            "threads": torch.get_num_threads()}
+
+
+def same_setup(record: dict, head_dir: Path, target) -> bool:
+    """Whether an earlier eval's record (draft.json or report.json) was for this head, target
+    (by fingerprint), dtype and device."""
+    def setup(rec):
+        return (str(Path(rec["head_dir"]).resolve()) if rec.get("head_dir") else None,
+                (rec.get("target") or {}).get("fingerprint"), rec.get("dtype"), rec.get("device"))
+    return setup(record) == setup(draft_record(DraftSettings(), head_dir, target))
+
+
+def saved_choice(args, head_dir: Path, head_cfg: dict, target) -> tuple[DraftSettings | None, str]:
+    """--draft auto's saved choice, in the module doc's order, and where it came from."""
+    if args.draft_from:
+        rec = read_draft_file(args.draft_from)
+        if rec.get("head_dir") and not same_setup(rec, head_dir, target):
+            print(f"note: {rec['path']} was measured for another head, target, dtype or device; used as asked",
+                  file=sys.stderr)
+        return DraftSettings.from_dict(rec["draft"], f"{rec['path']} draft"), rec["path"]
+    if head_cfg.get("draft"):
+        return DraftSettings.from_dict(head_cfg["draft"], "config.json draft"), str(head_dir / "config.json")
+    previous = Path(args.out) / DRAFT_FILE
+    if previous.is_file():
+        rec = read_draft_file(previous)
+        if same_setup(rec, head_dir, target):
+            return DraftSettings.from_dict(rec["draft"], f"{previous} draft"), str(previous)
+        print(f"note: {previous} was measured for another head, target, dtype or device: measuring again",
+              file=sys.stderr)
+    return None, "none"
+
+
+def decide_draft(args, head, head_dir, head_cfg, target) -> tuple[DraftSettings, str, bool]:
+    """(settings, draft_source, needs_measuring) for the head (None: lookup alone, never measured)."""
+    saved, source = (None, "none")
+    if head is not None and args.draft in ("auto", *MODES):
+        saved, source = saved_choice(args, head_dir, head_cfg, target)
+    draft, measure = draft_from_flags(args, saved)
+    from_flags = args.draft in MODES or (args.draft == "auto" and implied_mode(given_sizes(args)) is not None)
+    if args.acceptance == "typical" and draft.mode != "chain":
+        if from_flags:
+            raise SpecError(f"--acceptance typical is chain-only; the flags ask for {draft.mode} (use --draft chain)")
+        draft = replace(draft, mode="chain", chosen_by="user (typical acceptance is chain-only)")
+        return draft, "--acceptance typical (chain-only)", False
+    if head is None:
+        return draft, "flags" if given_sizes(args) else "defaults: no head, lookup alone", False
+    if from_flags:
+        return draft, f"flags (unset sizes from {source})" if saved else "flags", False
+    return draft, source, measure
+
+
+def write_head_draft(head_dir: Path, draft: DraftSettings, out: Path) -> Path:
+    """--save-draft: set `draft:` in the head's config.json, atomically (a crash leaves the old file)."""
+    from draftkit.inference.report import atomic_write
+
+    path = Path(head_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["draft"] = draft.to_dict()
+    try:
+        return atomic_write(path, json.dumps(cfg, indent=2, default=str))
+    except OSError as e:
+        raise SpecError(f"--save-draft: cannot write {path}: {e.strerror or e} (a read-only head directory, e.g. a "
+                        f"hub snapshot? copy it, or reuse the choice with --draft-from {out})") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+def load_everything(args):
+    """(target, head, head_dir, head config, prompts before synthesis)."""
+    from draftkit.heads.base import load_head, read_head_config
+    from draftkit.target import load_target
+
+    if args.k is not None and args.k < 1:
+        raise SpecError(f"--k must be >= 1, got {args.k}")
+    check_acceptance(args.acceptance, args.typical_epsilon, args.typical_delta)
+    prompts: list[EvalPrompt] = []
+    for f in args.prompts or []:
+        prompts += read_prompt_file(f)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)  # logs its dtype choice
+    head, head_dir, head_cfg = None, None, {}
+    if args.head:
+        head_dir = resolve_head_dir(args.head)
+        head = load_head(head_dir, target, strict_target=not args.force)
+        head.to(dtype=target.dtype).eval()
+        head_cfg = read_head_config(head_dir)
+    return target, head, head_dir, head_cfg, prompts
+
+
+def eval_prompts(args, target, prompts: list[EvalPrompt]) -> list[EvalPrompt]:
+    if not args.prompts:
+        print(f"no --prompts: synthesizing {args.num_synthesized} prompts with the target", file=sys.stderr)
+        try:
+            prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
+        except ValueError as e:  # a base model has no chat template: Magpie cannot run
+            raise SpecError(str(e)) from e
+        if not prompts:
+            raise SpecError("the target synthesized no usable prompts; pass --prompts FILE")
+    return prompts[: args.limit] if args.limit is not None else prompts
+
+
 def run(args) -> int:
-    from draftkit.heads.base import HeadError, load_head, read_head_config
-    from draftkit.inference.report import format_table, write_report
-    from draftkit.target import TargetError, load_target
+    from draftkit.heads.base import HeadError
+    from draftkit.inference.report import atomic_write, format_table, write_report
+    from draftkit.target import TargetError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
@@ -108,57 +340,37 @@ def run(args) -> int:
     if getattr(args, "engine", "draftkit") == "vllm":
         from draftkit.engines.vllm_eval import run_cli
         return run_cli(args)
+    out = Path(args.out)
     try:
-        if args.k is not None and args.k < 1:
-            raise SpecError(f"--k must be >= 1, got {args.k}")
-        check_acceptance(args.acceptance, args.typical_epsilon, args.typical_delta)
-        prompts: list[EvalPrompt] = []
-        for f in args.prompts or []:
-            prompts += read_prompt_file(f)
-        target = load_target(args.target, dtype=args.dtype, device=args.device)
-        head, saved = None, None
-        if args.head:
-            head_dir = resolve_head_dir(args.head)
-            head = load_head(head_dir, target, strict_target=not args.force)
-            head.to(dtype=target.dtype).eval()
-            saved = read_head_config(head_dir).get("draft")
-        draft, measure = draft_from_flags(args, saved)
-        if args.acceptance == "typical" and draft.mode != "chain":
-            draft = replace(draft, mode="chain", chosen_by="user (typical acceptance is chain-only)")
-            measure = False
-        if not args.prompts:
-            print(f"no --prompts: synthesizing {args.num_synthesized} prompts with the target", file=sys.stderr)
-            try:
-                prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
-            except ValueError as e:  # a base model has no chat template: Magpie cannot run
-                raise SpecError(str(e)) from e
-            if not prompts:
-                raise SpecError("the target synthesized no usable prompts; pass --prompts FILE")
-        if args.limit is not None:
-            prompts = prompts[: args.limit]
+        target, head, head_dir, head_cfg, prompts = load_everything(args)
+        draft, source, measure = decide_draft(args, head, head_dir, head_cfg, target)
+        prompts = eval_prompts(args, target, prompts)
         settings = EvalSettings(
-            draft=draft, compare=tuple(m for m in args.compare if not (args.no_baseline and m == "plain")
-                                       and not (args.no_ngram and m == "lookup")),
-            temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, acceptance=args.acceptance,
-            typical_epsilon=args.typical_epsilon, typical_delta=args.typical_delta, raise_errors=False, progress=True)
+            draft=draft, compare=compare_methods(args), temperatures=tuple(args.temperature),
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, top_k=args.top_k, top_p=args.top_p,
+            seed=args.seed, acceptance=args.acceptance, typical_epsilon=args.typical_epsilon,
+            typical_delta=args.typical_delta, raise_errors=False, progress=True)
+        if measure:
+            draft = keep_user_values(calibrate(target, head, prompts, settings, args.calibration_prompts,
+                                                  args.calibration_budget), args)
+            settings, source = replace(settings, draft=draft), f"measured now (written to {out / DRAFT_FILE})"
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write(out / DRAFT_FILE, json.dumps(draft_record(draft, head_dir, target), indent=2, default=str))
+        print(f"draft: {draft.describe() if head is not None else 'lookup'} (from {source})", file=sys.stderr)
+        if args.save_draft:
+            if head is None:
+                raise SpecError("--save-draft needs --head")
+            print(f"wrote the draft shape to {write_head_draft(head_dir, draft, out)} (draft:)", file=sys.stderr)
     except (SpecError, HeadError, TargetError, DraftSettingsError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
-    if head is not None and measure:
-        settings = replace(settings, draft=calibrate(target, head, prompts, settings, args.calibration_prompts,
-                                                     args.calibration_budget))
-        write_draft_section(head_dir, settings.draft)
-        print(f"wrote the choice to {head_dir / 'config.json'} (draft:); --draft MODE and the size flags override it",
-              file=sys.stderr)
-    out = Path(args.out)
     try:
         report = evaluate(target, head, prompts, settings, sampler=RejectionSampler(args.backend))
     except (SpecError, ValueError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
-    report["head_dir"] = str(resolve_head_dir(args.head)) if args.head else None
-    report["prompt_files"] = args.prompts
+    report.update(head_dir=str(head_dir) if head_dir else None, prompt_files=args.prompts, draft_source=source,
+                  dtype_choice=target.dtype_choice)
     paths = write_report(report, out)
     print(format_table(report))
     if not report["lossless"]:
@@ -170,13 +382,3 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def write_draft_section(head_dir: Path, draft: DraftSettings) -> None:
-    """Set `draft:` in the head's config.json, atomically (a crash leaves the previous file)."""
-    from draftkit.inference.report import _atomic_write
-
-    path = Path(head_dir) / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg["draft"] = draft.to_dict()
-    _atomic_write(path, json.dumps(cfg, indent=2, default=str))

@@ -7,8 +7,9 @@ decoding of the same target (the baseline and, at T = 0, the reference the outpu
 and prompt-lookup (n-gram) speculation (the baseline that needs no head). It writes report.json,
 report.md and acceptance.png to --out and prints the table.
 
-The trainer calls `evaluate(target, head, prompts, baseline=False, ngram=False)` on a few held-aside
-prompts every N steps: it returns tau and acceptance_per_position cheaply.
+The trainer calls `evaluate(target, head, prompts, EvalSettings(draft=DraftSettings(mode="chain", k=k),
+compare=()))` on a few held-aside prompts every N steps: the head's chain alone, no baseline, so it
+returns tau and acceptance_per_position cheaply.
 
 Prompt files are read here without `datasets` (eval must run on the core dependencies): JSON or
 JSONL records in the shapes the training data loader reads (ShareGPT, OpenAI, MT-bench, `prompt`,
@@ -178,18 +179,6 @@ METHODS = ("plain", "lookup", "head", "hybrid")
 MAIN_OF_MODE = {"chain": "head", "tree": "head", "hybrid": "hybrid", "lookup": "lookup", "plain": "plain"}
 
 
-def legacy_settings(k: int | None = None, temperatures=None, baseline: bool = True, ngram: bool = True,
-                    ngram_n: int = 3, **fields_) -> EvalSettings:
-    """The keyword form evaluate() had before EvalSettings (k = a chain of k; ngram = lookup beside
-    it with the same k); the trainer's held-out evaluation and older scripts call it this way."""
-    compare = tuple(m for m, on in (("plain", baseline), ("lookup", ngram)) if on)
-    draft = DraftSettings(mode="chain", k=k, lookup_len=k, lookup_ngram=ngram_n) if k is not None else \
-        DraftSettings(lookup_ngram=ngram_n)
-    if temperatures is not None:
-        fields_["temperatures"] = tuple(float(t) for t in temperatures) or (0.0,)
-    return EvalSettings(draft=draft, compare=compare, **fields_)
-
-
 class _Method:
     """One way of decoding (speculative with some drafter, or plain) and how to run it."""
 
@@ -227,19 +216,18 @@ def build_methods(target, head, s: EvalSettings, sampler, stop_ids) -> tuple[dic
     return methods, main
 
 
-def evaluate(target, head, prompts, settings: EvalSettings | None = None, *, sampler: RejectionSampler | None = None,
-             stop_ids: list[int] | None = None, **legacy) -> dict:
+def evaluate(target, head, prompts, settings: EvalSettings, *, sampler: RejectionSampler | None = None,
+             stop_ids: list[int] | None = None) -> dict:
     """Measure tau, alpha_i, tokens/s and speedup of the drafting in `settings` (head None: lookup
     alone) on `prompts`, beside the methods in settings.compare, interleaved batch by batch.
 
     prompts: EvalPrompts, distill Prompts, strings, message lists or token-id lists.
-    The keyword form of older callers (k=, baseline=, ngram=, temperatures=, ...) still works:
-    see legacy_settings. Returns the report dict (see report.py for the keys).
+    Returns the report dict (see report.py for the keys).
     """
     t_start = time.perf_counter()
-    s = settings if settings is not None else legacy_settings(**legacy)
-    if settings is not None and legacy:
-        raise SpecError(f"pass either settings or keyword settings, not both: {sorted(legacy)}")
+    s = settings
+    if not isinstance(s, EvalSettings):
+        raise SpecError(f"evaluate(): settings must be an EvalSettings, got {type(s).__name__}")
     if head is None and "lookup" not in s.compare and s.draft.mode != "lookup":
         raise SpecError("nothing to evaluate: no head and the lookup (n-gram) drafter is off")
     stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)

@@ -12,6 +12,8 @@ report.json keys (top level = the first temperature; `runs` holds one entry per 
                             when lossless, for information under typical acceptance
   ngram                     the prompt-lookup baseline: tau, alpha, tokens_per_s, speedup
   main, draft, draft_description   the measured drafting (hybrid / head / lookup) and its DraftSettings
+  draft_source, dtype_choice        (draftkit eval) where the draft shape came from (flags, a saved choice,
+                            measured now) and how the dtype was chosen (auto: from which CPU flags)
   methods                   every speculative method of the run side by side (lookup, head, hybrid):
                             tau, alpha, accepted_by_source (head / lookup / both), tokens_per_s, speedup
   per_category              the same numbers per prompt category (with its own `methods`)
@@ -30,13 +32,14 @@ log = logging.getLogger(__name__)
 def write_report(report: dict, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [_atomic_write(out / "report.json", json.dumps(report, indent=2, default=str)),
-             _atomic_write(out / "report.md", format_markdown(report))]
+    paths = [atomic_write(out / "report.json", json.dumps(report, indent=2, default=str)),
+             atomic_write(out / "report.md", format_markdown(report))]
     png = write_plot(report, out / "acceptance.png")
     return paths + ([png] if png else [])
 
 
-def _atomic_write(path: Path, text: str) -> Path:
+def atomic_write(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file beside it: a crash leaves the old file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -131,6 +134,13 @@ def _title(report: dict) -> str:
             f"{report.get('num_prompts')} prompts, acceptance {report.get('acceptance', 'rejection (lossless)')}")
 
 
+def provenance_line(report: dict) -> str:
+    """Where the draft shape and the dtype came from (empty when evaluate() ran without the CLI)."""
+    parts = [f"draft shape from {report['draft_source']}" if report.get("draft_source") else "",
+             f"target {report['dtype_choice']}" if report.get("dtype_choice") else ""]
+    return "; ".join(p for p in parts if p)
+
+
 def acceptance_line(report: dict) -> str:
     """One line naming the verify rule; under typical acceptance it says the output is lossy."""
     rule = report.get("acceptance", "rejection (lossless)")
@@ -145,7 +155,9 @@ def acceptance_line(report: dict) -> str:
 
 def format_table(report: dict) -> str:
     """The table `draftkit eval` prints."""
-    parts = [_title(report), acceptance_line(report), _text_table(SUMMARY_HEADER, summary_rows(report))]
+    parts = [_title(report), provenance_line(report), acceptance_line(report),
+             _text_table(SUMMARY_HEADER, summary_rows(report))]
+    parts = [p for p in parts if p]
     methods = method_rows(report)
     if methods:
         parts += ["", "Side by side (* = the drafting measured above; speedup over plain decoding, same run):",
@@ -165,6 +177,7 @@ def format_table(report: dict) -> str:
 
 def format_markdown(report: dict) -> str:
     md = [f"# Speculative decoding evaluation\n\n{_title(report)}.\n",
+          *([provenance_line(report) + ".", ""] if provenance_line(report) else []),
           f"Status: **{report.get('status')}**" + (f" — {report['error']}" if report.get("error") else ""), "",
           ("" if report.get("lossless", True) else "**") + acceptance_line(report)
           + ("" if report.get("lossless", True) else "**"), "",

@@ -13,6 +13,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from draftkit.config import ConfigError, Recipe, TrainConfig
+from draftkit.target import native_bf16  # the one dtype rule (target.dtype: auto uses it too)
 
 
 def build_deepspeed_config(recipe: Recipe, world_size: int, on_cuda: bool) -> dict:
@@ -58,18 +59,9 @@ def make_scheduler(t: TrainConfig):
     return lambda optimizer: LambdaLR(optimizer, lr_lambda(t))
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` multiplies bf16 natively (autocast to bf16 is then faster than fp32)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch.cpu's own checks
-        return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
-    return False
-
-
 def head_autocast(t: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """The dtype the head's forward/backward runs under torch.autocast, or None for plain fp32."""
+    """The dtype the head's forward/backward runs under torch.autocast, or None for plain fp32
+    ("auto": draftkit.target.native_bf16, the rule target.dtype: auto follows)."""
     if t.autocast == "bfloat16" or (t.autocast == "auto" and native_bf16(device)):
         return torch.bfloat16
     return None

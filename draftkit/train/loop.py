@@ -274,7 +274,8 @@ class Trainer:
         Runs once, on rank 0; the other ranks wait. Under ZeRO-3 rank 0 evaluates a plain copy of
         the gathered head (the engine's own modules would gather collectively on every call).
         """
-        from draftkit.inference.evaluate import evaluate
+        from draftkit.inference.drafters import DraftSettings
+        from draftkit.inference.evaluate import EvalSettings, evaluate
 
         r = self.recipe.train
         if not self.data.holdout_prompts:
@@ -284,8 +285,9 @@ class Trainer:
         if self.main:
             head.eval()
             try:
-                rep = evaluate(self.target, head, self.data.holdout_prompts, k=r.eval_k,
-                               max_new_tokens=r.eval_max_new_tokens, baseline=False, ngram=False)
+                chain = EvalSettings(draft=DraftSettings(mode="chain", k=r.eval_k), compare=(),
+                                     max_new_tokens=r.eval_max_new_tokens)  # the head's chain alone: cheap
+                rep = evaluate(self.target, head, self.data.holdout_prompts, chain)
             finally:
                 head.train()
             out = {"tau": rep["tau"]}
