@@ -1,0 +1,174 @@
+"""The process that runs vLLM: JSON request in, JSON result out. Runs in vLLM's own environment.
+
+    python vllm_worker.py REQUEST.json RESULT.json
+
+It imports nothing of draftkit (vLLM's environment need not have it) and is started by
+draftkit/engines/vllm.py, which builds the request and reads the result. One request = one engine
+(one speculative config) and a list of runs over the same prompts:
+
+  request {model, dtype, speculative_config | null, max_model_len, max_num_seqs, kv_cache_gib,
+           prompts: [[token id]], runs: [{name, batch_size, sampling: {temperature, top_p, top_k,
+           seed, max_tokens, ignore_eos}}], inspect_drafter: bool}
+  result  {vllm_version, load_seconds, runs: [{name, outputs: [[token id]], wall_s, new_tokens,
+           tokens_per_s, counters: {num_drafts, num_draft_tokens, num_accepted_tokens,
+           accepted_per_pos}}], drafter: {...} | null}
+
+Counters are vLLM's own (llm.get_metrics(): vllm:spec_decode_*), taken as the difference across
+each run. A run of batch_size B hands vLLM B prompts at a time (max_num_seqs = the largest B).
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so inspect_drafter can
+read the drafter's parameters as vLLM loaded them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+# This file's directory holds draftkit's vllm.py, which must not shadow the vllm package.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def counters(llm) -> dict:
+    """vLLM's cumulative speculative-decoding counters (zeros when the engine does not speculate)."""
+    out = {v: 0 for v in COUNTERS.values()}
+    out["accepted_per_pos"] = []
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            out[COUNTERS[m.name]] += int(m.value)
+        elif m.name == PER_POS:
+            vals = list(m.values)
+            acc = out["accepted_per_pos"] + [0] * (len(vals) - len(out["accepted_per_pos"]))
+            out["accepted_per_pos"] = [a + int(v) for a, v in zip(acc, vals + [0] * (len(acc) - len(vals)))]
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    per = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
+           for i, a in enumerate(after["accepted_per_pos"])]
+    return {**{k: after[k] - before[k] for k in COUNTERS.values()}, "accepted_per_pos": per}
+
+
+def run_one(llm, prompts: list, run: dict) -> dict:
+    from vllm import SamplingParams, TokensPrompt
+
+    s = run["sampling"]
+    seed = s.get("seed")
+
+    def params(i: int) -> SamplingParams:  # prompt i samples with seed + i, as draftkit's loop
+        return SamplingParams(temperature=s["temperature"], top_p=s.get("top_p", 1.0), top_k=s.get("top_k") or 0,
+                              seed=None if seed is None else seed + i, max_tokens=s["max_tokens"],
+                              ignore_eos=s.get("ignore_eos", False), detokenize=False,
+                              stop_token_ids=s.get("stop_token_ids") or None)
+
+    before, outputs = counters(llm), []
+    t0 = time.perf_counter()
+    B = run["batch_size"]
+    for i in range(0, len(prompts), B):
+        chunk = [TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + B]]
+        outs = llm.generate(chunk, [params(j) for j in range(i, i + len(chunk))], use_tqdm=False)
+        outputs += [list(o.outputs[0].token_ids) for o in outs]
+    wall = time.perf_counter() - t0
+    new = sum(len(o) for o in outputs)
+    return {"name": run["name"], "outputs": outputs, "wall_s": wall, "new_tokens": new,
+            "tokens_per_s": new / wall if wall else 0.0, "counters": delta(counters(llm), before)}
+
+
+SNAPSHOTS: dict = {}  # id(model) -> {parameter name: values as loaded, before CPU repacking}
+
+
+def snapshot_loaded_weights() -> None:
+    """vLLM's CPU linear layers repack their weights after loading (the parameter is left empty):
+    keep a copy of every model's parameters as loaded, for inspect_drafter."""
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.process_weights_after_loading
+
+    def wrapped(model, *args, **kwargs):
+        SNAPSHOTS[id(model)] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+        return original(model, *args, **kwargs)
+
+    base_loader.process_weights_after_loading = wrapped
+
+
+def _values(model) -> dict:
+    """A model's parameters as served: the current value, or the loaded one where repacking emptied it."""
+    snap = SNAPSHOTS.get(id(model), {})
+    return {n: (p.detach().float().cpu() if p.numel() or n not in snap else snap[n])
+            for n, p in model.named_parameters()}
+
+
+def _row_blocks(p, file: dict) -> tuple[list, int, list]:
+    """The file tensors found as row blocks of p (vLLM stacks q/k/v and gate/up along dim 0)."""
+    import torch
+
+    covered, pieces = torch.zeros(p.shape[0], dtype=torch.bool), []
+    for fname, t in file.items():
+        if t.dim() != p.dim() or t.shape[1:] != p.shape[1:] or t.shape[0] > p.shape[0]:
+            continue
+        step = t.shape[0] if p.dim() > 1 else max(1, t.shape[0])
+        for o in range(0, p.shape[0] - t.shape[0] + 1, step):
+            if not covered[o:o + t.shape[0]].any() and torch.equal(p[o:o + t.shape[0]], t):
+                covered[o:o + t.shape[0]] = True
+                pieces.append([fname, o])
+                break
+    return pieces, int(covered.sum()), [n for n, _ in pieces]
+
+
+def inspect_drafter(llm, files: list[str]) -> dict:
+    """Where each drafter parameter's values came from: row blocks of the file's tensors, a target
+    parameter (shared embed_tokens / lm_head), or nowhere (left at its initial value)."""
+    def read(worker):
+        import torch
+        from safetensors.torch import load_file
+
+        runner = worker.model_runner
+        drafter = getattr(runner.drafter, "model", None)
+        file = {}
+        for f in files:
+            file.update({k: v.float() for k, v in load_file(f).items()})
+        target = _values(runner.model)
+        report, used = {}, {k: [] for k in file}
+        for name, p in _values(drafter).items():
+            pieces, rows, names = _row_blocks(p, file)
+            for n in names:
+                used[n].append(name)
+            same = [tn for tn, tp in target.items() if tp.shape == p.shape and torch.equal(tp, p)]
+            report[name] = {"shape": list(p.shape), "from_file": pieces, "rows_covered": rows,
+                            "equals_target": same}
+        return {"class": type(drafter).__name__, "params": report, "file_tensors_used": used}
+
+    return llm.collective_rpc(read)[0]
+
+
+def main(request_path: str, result_path: str) -> int:
+    req = json.loads(open(request_path).read())
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_cache_gib", 2)))
+    import vllm
+    from vllm import LLM
+
+    if req.get("inspect_drafter"):
+        snapshot_loaded_weights()
+
+    t0 = time.perf_counter()
+    llm = LLM(model=req["model"], dtype=req["dtype"], enforce_eager=True, skip_tokenizer_init=True,
+              speculative_config=req.get("speculative_config"), max_model_len=req["max_model_len"],
+              max_num_seqs=req["max_num_seqs"], disable_log_stats=False, seed=req.get("seed", 0))
+    load = time.perf_counter() - t0
+    runs = [run_one(llm, req["prompts"], r) for r in req["runs"]]
+    drafter = inspect_drafter(llm, req["drafter_files"]) if req.get("inspect_drafter") else None
+    result = {"vllm_version": vllm.__version__, "load_seconds": load, "runs": runs, "drafter": drafter}
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, result_path)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: the guard keeps them from rerunning this
+    sys.exit(main(sys.argv[1], sys.argv[2]))
