@@ -62,6 +62,15 @@ def test_response_cache_never_mixes_dtypes_or_engines(tiny_model_dir, tmp_path, 
     assert vllm.fingerprint("t", "float32") == dataclasses.replace(vllm, vllm={}).fingerprint("t", "float32")
 
 
+def test_each_rank_vllm_gets_its_own_gpus():
+    from draftkit.engines.vllm_data import rank_devices
+
+    assert rank_devices({}, {"LOCAL_RANK": "3"}) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert rank_devices({"tensor_parallel_size": 4}, {"LOCAL_RANK": "1"}) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert rank_devices({"tensor_parallel_size": 4}, {"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0"}) == {}
+    assert rank_devices({}, {}) == {}
+
+
 # ---- the real engine -------------------------------------------------------------------------------
 
 def vllm_python() -> str:

@@ -43,6 +43,17 @@ def _request(model_dir, dtype: str, prompt_ids: list[list[int]], seeds: list[int
                          "max_tokens": sampling.max_tokens, "stop_token_ids": list(sampling.stop_token_ids)}}
 
 
+def rank_devices(llm_kwargs: dict, environ=os.environ) -> dict:
+    """CUDA_VISIBLE_DEVICES for this rank's vLLM: a launcher starts one rank per GPU (LOCAL_RANK), and
+    every rank's vLLM would otherwise take GPU 0; with tensor_parallel_size t, local rank r gets GPUs
+    r*t .. r*t+t-1 (launch one rank per t GPUs). Nothing when the caller chose the devices already,
+    or without a launcher."""
+    if "CUDA_VISIBLE_DEVICES" in environ or "LOCAL_RANK" not in environ:
+        return {}
+    t, r = int(llm_kwargs.get("tensor_parallel_size", 1)), int(environ["LOCAL_RANK"])
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(r * t + i) for i in range(t))}
+
+
 def generate_responses(model_dir, dtype: str, prompt_ids: list[list[int]], seeds: list[int], sampling: DataSampling,
                        chunk_size: int = 64, llm_kwargs: dict | None = None, python: str | None = None,
                        kv_cache_gib: int = 2, poll_s: float = 0.2,
@@ -65,7 +76,7 @@ def generate_responses(model_dir, dtype: str, prompt_ids: list[list[int]], seeds
         (work / "request.json").write_text(json.dumps(_request(
             model_dir, dtype, prompt_ids, seeds, sampling, chunk_size, work / "chunks", llm_kwargs, kv_cache_gib)))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+               "TOKENIZERS_PARALLELISM": "false", **rank_devices(llm_kwargs)}
         env.pop("PYTHONPATH", None)  # the worker imports vLLM's environment only
         with open(work / "log.txt", "w") as log:
             proc = subprocess.Popen([python, str(WORKER), str(work / "request.json"), str(work / "result.json")],
