@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from draftkit.heads import load_head
-from draftkit.inference.decoder import PlainStats, SpecDecoder, SpecStats, compare_greedy, plain_generate
+from draftkit.inference.decoder import SpecDecoder, plain_generate
+from draftkit.inference.stats import PlainStats, SpecStats, TeacherForced, compare_greedy
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.cli_eval import resolve_head_dir
 from draftkit.inference.evaluate import _prepare, read_prompt_file
@@ -85,7 +86,6 @@ def main() -> None:
     totals = {n: PlainStats() if n == "plain" else SpecStats(decoders[n].k) for n in names}
     per_cat: dict[str, dict] = {}
     outputs = {n: [] for n in names}
-    gaps = []
     for d in decoders.values():  # warm-up, not timed
         d.generate([items[0]["ids"]], 4)
     plain_generate(target, [items[0]["ids"]], 4)
@@ -96,9 +96,7 @@ def main() -> None:
                                                   for n in names})
         for n in order:
             if n == "plain":
-                out, st, g = plain_generate(target, [it["ids"]], args.max_new_tokens, params, [i],
-                                            record_gaps=params.greedy)
-                gaps += g or [[]]
+                out, st, _ = plain_generate(target, [it["ids"]], args.max_new_tokens, params, [i])
             else:
                 out, st = decoders[n].generate([it["ids"]], args.max_new_tokens, params, [i])
             totals[n] += st
@@ -116,11 +114,12 @@ def main() -> None:
                 "draft_ms_per_step": d["draft_ms_per_step"], "verify_ms_per_step": d["verify_ms_per_step"]}
 
     result_rows = {}
+    scorer = TeacherForced(target)
     for n in names:
         r = row(n, totals[n], totals["plain"])
         if n != "plain" and params.greedy:
-            cmp = compare_greedy(outputs[n], outputs["plain"], gaps, target.dtype)
-            r.update(greedy_mismatches=cmp["mismatches"], greedy_near_ties=cmp["near_ties"])
+            cmp = compare_greedy(outputs[n], outputs["plain"], [it["ids"] for it in items], scorer)
+            r.update(greedy_mismatches=cmp["mismatches"], greedy_near_ties=cmp["near_ties"], greedy_max_gap=cmp["max_gap"])
         r["per_category"] = {c: row(n, st[n], st["plain"]) for c, st in per_cat.items()}
         result_rows[n] = r
     cats = sorted(per_cat)

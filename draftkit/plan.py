@@ -109,6 +109,14 @@ def head_activation_bytes(head_cfg: dict, c, micro: int, length: int, act_bytes:
     elif family == "mtp":
         passes = head_cfg.get("num_depths", 1)
         values = passes * (layer + 4 * H)
+    elif family == "dflash":  # A blocks of B query rows per sample, each layer's scores over the context
+        blocks, L = micro * head_cfg.get("num_anchors", 64), head_cfg.get("num_layers", 2)
+        rows = min(blocks * head_cfg.get("block_size", 8), tokens * head_cfg.get("block_size", 8))
+        kv = (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * (getattr(c, "head_dim", None) or H // c.num_attention_heads)
+        scores = rows * c.num_attention_heads * length * 4 * 2 * L  # fp32 scores and probabilities (einsum attention)
+        vocab = head_cfg.get("draft_vocab_size") or c.vocab_size
+        return {"layers": float((rows * L * layer + tokens * (2 * H + 2 * L * kv)) * act_bytes + scores),
+                "logits": float(min(rows, logits_rows) * vocab * 4 * 3)}
     else:  # medusa: L residual blocks of width H per head
         passes = head_cfg.get("num_heads", 4)
         values = passes * head_cfg.get("num_layers", 1) * 3 * H
@@ -152,7 +160,8 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     head_cfg = dict(r.head)
     if head is not None:
         head_cfg.update({k: v for k, v in vars(head.config).items() if k in
-                         ("ttt_steps", "num_depths", "num_heads", "num_layers", "draft_vocab_size")})
+                         ("ttt_steps", "num_depths", "num_heads", "num_layers", "draft_vocab_size",
+                          "num_anchors", "block_size")})
     head_params = sum(p.numel() for p in head.parameters()) if head is not None else 0
     target_params = sum(p.numel() for p in target.model.parameters())
     layers = head.feature_layers if head is not None else (FINAL,)

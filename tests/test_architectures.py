@@ -8,7 +8,8 @@ For each architecture and head family:
 3. the verify loop is lossless in fp32 at T = 0 against transformers' own greedy decoding, batch 1
    and a ragged batch with a trained head (so drafts are accepted and rejected, and rolled-back
    holes and left padding fall inside the sliding windows);
-4. every export writes a layout the engine loads for that architecture, or refuses naming why.
+4. every export writes the names and shapes the engine's loader reads for that architecture (for a llama
+   target, vLLM's exports are loaded by the real engine in tests/test_engine_vllm.py), or refuses naming why.
 """
 from __future__ import annotations
 

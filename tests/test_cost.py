@@ -1,59 +1,141 @@
-"""The cost model (draftkit.inference.cost): exact simulation of smaller trees from a recorded big
-tree, and a choice that follows the measured costs."""
+"""The cost model (draftkit.inference.cost), on the property it rests on and on its choices.
+
+1. Exactness: at T = 0 the steps, verify widths and output that `simulate` derives from a trace
+   (the head's candidate pools and lookup's proposals at every position of plain decoding's
+   output) equal a real run of the loop with that shape, for trees cut from every topk's pool,
+   hybrids with every lookup length (a shorter branch may follow another match), head-off rules
+   and lookup alone; on a fitted head, so that drafts are accepted and the cut matters.
+2. Choices: nothing pays -> plain decoding (and eval reports it); a Medusa head's depth limit is
+   respected (no HeadError); an inconsistent profile is said.
+"""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from draftkit.inference.cost import CostProfile, StepRecord, choose, simulate
+from draftkit.heads import build_head
+from draftkit.inference.cost import (Candidate, Costs, auto_draft, candidates, check_costs, choose, format_choice,
+                                     simulate, trace_prompt)
+from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.evaluate import EvalSettings, evaluate
+from draftkit.inference.sampling import SamplingParams
+from tests.conftest import LOOP_PROMPTS, fit, make_tiny_target
+from tests.test_spec_decoder import varied_target
 
-NEG = float("-inf")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-def step(path_nodes, other_nodes):
-    """nodes: (score, depth, lookup?, on path?)"""
-    return StepRecord([(s, d, lk, True) for s, d, lk in path_nodes] + [(s, d, lk, False) for s, d, lk in other_nodes],
-                      len(path_nodes))
-
-
-# Step 1: the head's best path is accepted three deep; step 2: only lookup's branch is accepted.
-RECORDS = [
-    step([(-0.1, 1, False), (-0.3, 2, False), (-0.9, 3, False)], [(-0.5, 1, False), (-0.6, 2, False)]),
-    step([(NEG, 1, True), (NEG, 2, True), (NEG, 3, True)], [(-0.2, 1, False), (-0.4, 2, False)]),
-]
+PROMPTS = LOOP_PROMPTS + [LOOP_PROMPTS[1] * 3]  # the repeat gives lookup matches of several lengths
+TOPKS, DEPTH, NEW = (1, 2, 3), 4, 24
 
 
-def test_simulate_counts_the_kept_prefix_of_the_path():
-    # budget 2: kept head nodes (-0.1, -0.3) in step 1 -> 2 accepted; step 2: nothing (no lookup) -> 0
-    tau, shape = simulate(RECORDS, budget=2, depth=3, lookup_len=0, head_off_at=None)
-    assert tau == ((2 + 1) + (0 + 1)) / 2 and shape == [(3, True), (3, True)]
-    # budget 5 depth 2: the third path node is too deep
-    tau, _ = simulate(RECORDS, budget=5, depth=2, lookup_len=0, head_off_at=None)
-    assert tau == (3 + 1) / 2
-    # lookup branch of 2: step 2 accepts 2 of lookup's 3; budget 3 keeps -0.1 -0.3 -0.5 in step 1 (2 accepted)
-    tau, shape = simulate(RECORDS, budget=3, depth=3, lookup_len=2, head_off_at=None)
-    assert tau == ((2 + 1) + (2 + 1)) / 2 and shape[1] == (2 + 2 + 1, True)  # 2 head nodes exist, 2 lookup, root
-    # head off when lookup proposes >= 2: step 2 verifies lookup's 2 alone
-    tau, shape = simulate(RECORDS, budget=3, depth=3, lookup_len=2, head_off_at=2)
-    assert shape[1] == (3, False) and tau == ((2 + 1) + (2 + 1)) / 2
+@pytest.fixture(scope="module")
+def fitted():
+    """A varied tiny target, an EAGLE head fitted on its greedy continuations of PROMPTS, the traces."""
+    target = varied_target()
+    head = build_head({"type": "eagle"}, target)
+    ref, _, _ = plain_generate(target, PROMPTS, NEW, stop_ids=[])
+    fit(head, target.features(torch.tensor([(p + r)[: NEW + 1] for p, r in zip(PROMPTS, ref)]), None,
+                              head.feature_layers), steps=200, lr=2e-2)
+    head.eval()
+    traces = [trace_prompt(target, head, p, NEW, SamplingParams(), 0, TOPKS, DEPTH, stop_ids=[]) for p in PROMPTS]
+    return target, head, traces
 
 
-def profile(verify_slope: float) -> CostProfile:
+SHAPES = [Candidate(3, 4, 12), Candidate(3, 2, 3), Candidate(3, 1, 3), Candidate(3, 1, 2), Candidate(2, 2, 3),
+          Candidate(2, 3, 4), Candidate(2, 4, 7), Candidate(3, 2, 8), Candidate(3, 2, 12), Candidate(2, 3, 10),
+          Candidate(1, 4, 4), Candidate(1, 2, 2), Candidate(3, 3, 6, 4), Candidate(3, 3, 6, 10),
+          Candidate(2, 2, 4, 6, 4), Candidate(1, 3, 3, 8, 2), Candidate(0, 0, 0, 4), Candidate(0, 0, 0, 10)]
+
+
+def real_run(target, head, c: Candidate, prompt):
+    drafter, kw = c.settings(DraftSettings()).decoder_args(head)
+    dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
+    seen = []  # per tree step: (tokens emitted, verify width)
+    dec.observer = lambda tree, v: seen.append((int(v.num_accepted[0]) + 1, int((tree.tokens[0] >= 0).sum()) + 1))
+    out, stats = dec.generate([prompt], NEW)
+    return out[0], stats, seen
+
+
+@pytest.mark.parametrize("c", SHAPES, ids=lambda c: c.label())
+def test_simulated_steps_equal_a_real_run(fitted, c):
+    target, head, traces = fitted
+    for prompt, trace in zip(PROMPTS, traces):
+        out, stats, seen = real_run(target, head, c, prompt)
+        steps = simulate(trace, c)
+        assert out == trace.tokens  # fp32 T = 0: every shape's output is plain decoding's
+        assert stats.steps == len(steps), (c, prompt)
+        if c.topk:  # tree steps report to the observer (lookup alone runs the chain); the last step
+            # may accept past the end, which the simulation cuts (the output is cut there too)
+            assert [w for _, w in seen] == [w for _, w, _ in steps], (c, prompt)
+            assert [t for t, _ in seen][:-1] == [t for t, _, _ in steps][:-1], (c, prompt)
+
+
+def test_the_traces_exercise_what_the_old_model_got_wrong(fitted):
+    """The cut must matter: drafts are accepted and a shorter lookup branch follows another match
+    than the 10-token one (the old model took the 10-token branch's prefix)."""
+    _, _, traces = fitted
+    positions = [p for tr in traces for p in tr.positions]
+    assert any(p.branches[4] != p.branches[10][:4] for p in positions)
+    tokens = sum(len(tr.tokens) - 1 for tr in traces)
+    assert tokens / sum(len(simulate(tr, Candidate(3, 4, 12))) for tr in traces) > 2.0
+
+
+def costs(verify_slope: float, plain_ms: float = 10.0) -> Costs:
     verify = {w: 10.0 + verify_slope * w for w in (1, 2, 4, 8, 16, 32, 64)}
-    draft = {(k, d): 1.0 * d for k in (1, 2) for d in range(1, 4)}
-    return CostProfile(verify, draft, consume_ms=0.5, overhead_ms=0.0, steps={2: RECORDS})
+    draft = {(k, d): 1.0 * d for k in TOPKS for d in range(1, DEPTH + 1)}
+    return Costs(verify, draft, consume_ms=0.5, plain_step_ms=plain_ms, plain_prefill_ms=5.0)
 
 
-@pytest.mark.parametrize("slope, small", [(50.0, True), (0.0, False)])
-def test_choice_follows_the_measured_verify_cost(slope, small):
-    chosen, rows = choose(profile(slope), DraftSettings(), max_depth=3)
-    best = rows[0]
-    assert chosen.topk == best["topk"] and chosen.budget == best["budget"] and chosen.depth == best["depth"]
-    assert rows == sorted(rows, key=lambda r: -r["tokens_per_s"])
-    _, shape = simulate(RECORDS, best["budget"], best["depth"], best["lookup_len"], best["head_off_at"])
-    width = sum(w for w, _ in shape) / len(shape)
-    # expensive verify width -> a narrow tree; free width -> the tree that accepts the most
-    if small:
-        assert width <= 4 and best["tau"] < max(r["tau"] for r in rows), (best, width)
-    else:
-        assert best["tau"] == max(r["tau"] for r in rows)
+def test_choice_follows_the_costs_and_nothing_paying_is_plain(fitted):
+    _, _, traces = fitted
+    cands = candidates(TOPKS, DEPTH)
+    cheap, rows = choose({0.0: traces}, {0.0: costs(0.0)}, cands)
+    assert cheap is not None and rows[0]["speedup"] > 1.5
+    # every extra verified token costs a plain step: no shape can pay
+    none, rows = choose({0.0: traces}, {0.0: costs(10.0)}, cands)
+    assert none is None and rows[0]["speedup"] < 1.0
+
+
+def test_plain_choice_is_reported_by_eval(fitted):
+    target, head, _ = fitted
+    report = evaluate(target, head, PROMPTS[:2], EvalSettings(draft=DraftSettings(mode="plain"),
+                                                              compare=("plain", "hybrid"), max_new_tokens=8))
+    assert report["main"] == "plain" and report["speedup"] == 1.0 and report["tau"] == 1.0
+    assert report["draft_description"] == "plain decoding (no drafting)"
+
+
+def test_auto_on_a_machine_where_nothing_pays_says_plain_in_one_line(fitted, monkeypatch):
+    import time
+
+    target, head, _ = fitted
+    forward = target.decoder
+
+    def slow(*a, input_ids, **kw):  # a machine where every token fed beyond one costs 4 ms: nothing can pay
+        time.sleep(0.004 * (input_ids.shape[1] - 1))
+        return forward(*a, input_ids=input_ids, **kw)
+    monkeypatch.setattr(target, "decoder", slow)
+    chosen, cal = auto_draft(target, head, PROMPTS[:2], topks=(2,), max_depth=2, max_new_tokens=12, rounds=1)
+    assert chosen.mode == "plain" and cal.choice is None
+    line = format_choice(chosen).splitlines()[0]
+    assert "plain decoding" in line and "plain step" in line and "verify" in line
+
+
+def test_auto_respects_a_medusa_heads_depth():
+    target = make_tiny_target()
+    head = build_head({"type": "medusa", "num_heads": 2}, target).eval()
+    chosen, cal = auto_draft(target, head, PROMPTS[:1], max_depth=5, topks=(2,), max_new_tokens=8, rounds=1)
+    assert {r["candidate"].depth for r in cal.rows if r["candidate"].topk} == {1, 2}
+    assert chosen.depth <= 2  # whatever the mode: eval's head/hybrid comparisons draft with it
+
+
+def test_inconsistent_profile_is_warned():
+    ok = costs(0.1)
+    ok.overhead_ms = 0.5
+    assert check_costs(ok) == []
+    busy = costs(0.1, plain_ms=10.0)
+    busy.overhead_ms = 150.0  # a step overhead far above a plain step: another process shared the CPU
+    assert any("step overhead" in w for w in check_costs(busy))
+    wobbly = costs(0.1)
+    wobbly.verify_ms[16] = 0.5 * wobbly.verify_ms[8]
+    assert any("verify cost falls" in w for w in check_costs(wobbly))

@@ -15,7 +15,7 @@ import torch
 
 from draftkit.cli import main as cli
 from draftkit.heads import build_head
-from draftkit.inference.decoder import SpecError
+from draftkit.inference.errors import SpecError
 from draftkit.inference.evaluate import evaluate, read_prompt_file
 from draftkit.inference.report import format_table, write_report
 

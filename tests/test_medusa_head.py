@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from draftkit.heads import HeadError, build_head, load_head
-from draftkit.heads.medusa import typical_acceptance
+from draftkit.inference.typical import typical_acceptance
 from draftkit.target import FINAL, TargetError
 
 from tests.conftest import LOOP_PROMPTS, batch, greedy
@@ -187,7 +187,8 @@ def test_typical_loop_accepts_more_and_is_lossless_only_at_t0(one_thread):
 def test_typical_verify_accepts_what_rejection_sampling_would_not(one_thread):
     """A draft with p = 0.4 (above the bar, not the argmax): rejection sampling keeps it in ~40% of
     rows, as losslessness demands; typical acceptance keeps it in every row: lossy, and more accepted."""
-    from draftkit.inference.decoder import sample_fn, typical_verify
+    from draftkit.inference.decoder import sample_fn
+    from draftkit.inference.typical import typical_verify
     from draftkit.inference.rejection import RejectionSampler
     from draftkit.inference.sampling import SamplingParams, make_generators
     B, V = 256, 8
@@ -210,7 +211,8 @@ def test_typical_verify_accepts_what_rejection_sampling_would_not(one_thread):
 
 
 def test_typical_settings_are_checked(tiny_target):
-    from draftkit.inference.decoder import SpecDecoder, SpecError
+    from draftkit.inference.decoder import SpecDecoder
+    from draftkit.inference.errors import SpecError
     head = build_head({"type": "medusa"}, tiny_target)
     with pytest.raises(SpecError, match="acceptance must be one of rejection, typical"):
         SpecDecoder(tiny_target, head, k=2, acceptance="greedy")

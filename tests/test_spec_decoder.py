@@ -4,7 +4,7 @@
    generate), batch 1 and a ragged batch, for a random head, an oracle drafter (tau == k+1
    exactly) and an always-wrong drafter (tau == 1), and for the n-gram drafter.
 2. Ragged stopping: each row stops at its own EOS / max tokens, the others carry on unaffected.
-3. bf16: divergences from plain decoding happen only at near-ties of the target's top-2 logits.
+3. bf16: divergences from plain decoding are near-ties (tests/test_greedy_compare.py).
 4. T > 0: the emitted tokens follow the target's distribution (first token and the first token a
    verify step decides), and each row's output depends only on its own seed.
 5. Bad settings: k out of range, prompts that do not fit.
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from draftkit.heads import build_head
-from draftkit.inference.decoder import (SpecDecoder, SpecError, compare_greedy, near_tie_tolerance,
-                                        plain_generate)
+from draftkit.inference.decoder import SpecDecoder, plain_generate
+from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs
 
@@ -163,33 +163,6 @@ def test_ngram_propose():
     assert d.propose([5, 6, 7, 5, 6, 8, 5, 6], 3) == [8, 5, 6]  # latest match with k tokens after
     assert d.propose([1, 2, 3], 2) == []
     assert d.propose([7, 7], 4) == [7]  # a repeat: the only match has one token after it
-
-
-def test_bf16_divergences_are_near_ties():
-    """bf16 verify forwards round differently from 1-token steps: every divergence must be a near-tie."""
-    t = varied_target(torch.bfloat16, seed=1)
-    prompts = make_prompts((6, 9, 12), seed=5)
-    ref, _, gaps = plain_generate(t, prompts, 20, stop_ids=[], record_gaps=True)
-    longer, _, _ = plain_generate(t, prompts, 26, stop_ids=[])
-    head = build_head({"type": "eagle"}, t).to(torch.bfloat16)
-    checked = 0
-    for drafter in (head, Oracle(prompts, longer)):
-        out, _ = SpecDecoder(t, drafter, 5, stop_ids=[]).generate(prompts, 20)
-        res = compare_greedy(out, ref, gaps, torch.bfloat16)
-        for d in res["divergences"]:
-            assert d["near_tie"], d
-        checked += len(prompts) - res["mismatches"]
-    assert checked > 0
-
-
-def test_compare_greedy_flags_a_real_bug():
-    ref, gaps = [[5, 6, 7]], [[(3.0, 10.0), (2.5, 9.0), (0.01, 8.0)]]
-    bug = compare_greedy([[5, 1, 7]], ref, gaps, torch.bfloat16)
-    assert bug["mismatches"] == 1 and bug["near_ties"] == 0 and bug["divergences"][0]["index"] == 1
-    tie = compare_greedy([[5, 6, 1]], ref, gaps, torch.bfloat16)
-    assert tie["near_ties"] == 1
-    assert near_tie_tolerance(8.0, torch.float32) < 1e-5
-    assert compare_greedy([[5, 6, 7]], ref, gaps, torch.bfloat16)["mismatches"] == 0
 
 
 def _tv(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from draftkit.heads import build_head
-from draftkit.inference.decoder import SpecDecoder, SpecError
+from draftkit.inference.decoder import SpecDecoder
+from draftkit.inference.errors import SpecError
 from draftkit.inference.drafters import DraftSettings, DraftSettingsError, HybridDrafter
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs
@@ -240,7 +241,7 @@ def test_topk_one_tree_is_the_greedy_chain(family, extra):
     target = varied_target()
     head = build_head({"type": family, **extra}, target).eval()
     prompts = make_prompts()[:2]
-    from draftkit.inference.decoder import TargetCache, left_pad
+    from draftkit.inference.cache import TargetCache, left_pad
     ids, valid = left_pad(prompts, target.device)
     tc = TargetCache(target, 2, head.feature_layers)
     _, feats = tc.forward(ids, valid)
@@ -258,7 +259,7 @@ def test_tree_children_are_the_heads_predictions_after_each_path(family):
     target = varied_target()
     head = build_head({"type": family}, target).eval()
     prompt = make_prompts()[1:2]
-    from draftkit.inference.decoder import TargetCache, left_pad
+    from draftkit.inference.cache import TargetCache, left_pad
     ids, valid = left_pad(prompt, target.device)
     tc = TargetCache(target, 1, head.feature_layers)
     _, feats = tc.forward(ids, valid)
@@ -442,7 +443,7 @@ def test_hybrid_without_a_match_is_the_heads_tree(target):
     head = build_head({"type": "eagle"}, target).eval()
     hybrid = HybridDrafter(head, NgramDrafter(), 5)
     prompt = [[3, 4, 5, 6, 7, 8, 9]]
-    from draftkit.inference.decoder import TargetCache, left_pad
+    from draftkit.inference.cache import TargetCache, left_pad
     ids, valid = left_pad(prompt, target.device)
     tc = TargetCache(target, 1, head.feature_layers)
     _, feats = tc.forward(ids, valid)

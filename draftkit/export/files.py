@@ -64,7 +64,7 @@ def _read_torch_pickles(files: list[Path]) -> dict[str, Tensor]:
 
 def write_dir(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool, *,
               sidecar: dict | None = None, weights_file: str = "model.safetensors",
-              metadata: dict | None = None) -> Path:
+              metadata: dict | None = None, files: dict[str, bytes] | None = None) -> Path:
     """Write atomically: build in a temp dir beside `out`, then swap it in (never half-written)."""
     out = Path(out)
     if out.exists() and not overwrite:
@@ -77,6 +77,8 @@ def write_dir(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bo
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if sidecar is not None:
             (tmp / "draftkit.json").write_text(json.dumps(sidecar, indent=2, default=str) + "\n")
+        for name, data in (files or {}).items():  # a layout's extra files (Layout.files_out)
+            (tmp / name).write_bytes(data)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

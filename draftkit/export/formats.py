@@ -81,6 +81,7 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
     if "d2t" in state and not table_matches("d2t", ctx.table(layout), reverse=False):
         native, state, dropped = drop_draft_vocab(native, state, layout, full_vocab, where)
         ctx.native = native
+    files = layout.files_out(state, ctx)
     tensors = rename(layout.tensors_out(dict(state), ctx), ctx.table(layout), reverse=False, where=where)
     config = layout.config_out(native, ctx)
     config.setdefault("torch_dtype", dtype_name(tensors))
@@ -89,9 +90,10 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
     if dropped:
         contract["draft_vocab"] = dropped
     if layout.sidecar:
-        return write_dir(Path(out), config, tensors, overwrite, sidecar=contract, weights_file=layout.weights_file)
+        return write_dir(Path(out), config, tensors, overwrite, sidecar=contract, weights_file=layout.weights_file,
+                         files=files)
     return write_dir(Path(out), {**config, CONTRACT_KEY: contract}, tensors, overwrite,
-                     weights_file=layout.weights_file)
+                     weights_file=layout.weights_file, files=files)
 
 
 def import_head(src: str | Path, fmt: str, out: str | Path, *, target=None, overwrite: bool = False,
@@ -164,6 +166,8 @@ def detect_family(fmt: str, cfg: dict) -> str:
         return {"eagle3": "eagle3", "mtp": "mtp", "eagle": "eagle"}.get(cfg["speculators_model_type"], cfg["speculators_model_type"])
     if cfg.get("model_type") == "medusa" or "medusa_num_heads" in cfg or "Medusa" in arch:
         return "medusa"
+    if "DFlash" in arch:
+        return "dflash"
     if "Eagle3" in arch or "draft_vocab_size" in cfg or fmt == "eagle3-official":
         return "eagle3"
     if "NextN" in arch or "MTP" in arch or cfg.get("model_type") in ("deepseek_mtp",):
@@ -182,7 +186,7 @@ def detect_format(directory: Path, cfg: dict) -> str:
     arch = " ".join(cfg.get("architectures") or [])
     if "LlamaForCausalLMEagle" in arch:
         return "sglang"
-    if arch.startswith("Eagle") or cfg.get("model_type") == "medusa":
+    if arch.startswith("Eagle") or arch.startswith("DFlash") or cfg.get("model_type") == "medusa":
         return "vllm"
     if "medusa_num_heads" in cfg:
         return "medusa-official"

@@ -69,6 +69,9 @@ class Layout:
     optional: Callable[[dict], Shapes] = lambda c: {}
     tensors_out: Callable[[dict, Context], dict] = _identity_tensors  # native names, before renaming
     tensors_in: Callable[[dict, Context], dict] = _identity_tensors  # native names, after renaming
+    # Files beside the weights the engine reads (name -> bytes), from the native tensors (DFlash's
+    # mask_embedding.pt); written into the same atomic directory.
+    files_out: Callable[[dict, Context], dict[str, bytes]] = lambda state, ctx: {}
     # Contract location: inside config.json when the engine's config class ignores unknown keys.
     sidecar: bool = False
     # The feature-layer convention of the ids this layout writes (see contract.py).

@@ -7,6 +7,7 @@ Self-distilled Medusa-1 loss (target frozen): sum_i w_i KL(p_target(. | position
 Drafting is a chain of independent guesses, no tree and no KV cache: after the target samples
 x_new at position p, head i's sample from f_p is draft token i (0-based), i.e. x_{p+i+2}.
 Names follow the Medusa reference (medusa_head.{i}.{j}.linear, medusa_head.{i}.{L} = lm_head).
+Medusa's typical acceptance rule (a verify rule, not part of the head) lives in inference/typical.py.
 """
 from __future__ import annotations
 
@@ -169,22 +170,3 @@ class MedusaHead(DraftHead):
 
     def tree_step(self, state: MedusaState, parent_f: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
         return parent_f  # no cache: every node reads the same feature f
-
-
-def typical_acceptance(draft_tokens: Tensor, target_probs: Tensor, epsilon: float = 0.09,
-                       delta: float = 0.3) -> Tensor:
-    """Medusa's typical acceptance: LOSSY (output no longer follows the target's distribution).
-
-    draft_tokens (B, k); target_probs (B, k, V) the target's (temperature-processed) distribution
-    at each draft position. Draft i is accepted when p(draft_i) > min(epsilon, delta * exp(-H(p)))
-    (H = entropy): likely enough, with a bar that drops as the target grows uncertain. Returns
-    num_accepted (B,), the accepted prefix length in 0..k; the caller then takes one token from
-    the target at position num_accepted, as with any verify rule. Medusa's defaults: the
-    posterior_threshold epsilon = 0.09 and posterior_alpha delta = 0.3.
-    """
-    p = target_probs.float()
-    entropy = -(p * torch.log(p.clamp(min=1e-10))).sum(-1)  # (B, k)
-    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
-    p_draft = p.gather(-1, draft_tokens.long().clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, k)
-    ok = (p_draft > threshold) & (draft_tokens >= 0)
-    return ok.long().cumprod(1).sum(1)  # (B,) leading run of accepted drafts

@@ -10,6 +10,7 @@ FAMILIES: dict[str, str] = {
     "eagle3": "draftkit.heads.eagle3:Eagle3Head",
     "medusa": "draftkit.heads.medusa:MedusaHead",
     "mtp": "draftkit.heads.mtp:MTPHead",
+    "dflash": "draftkit.heads.dflash:DFlashHead",
 }
 
 

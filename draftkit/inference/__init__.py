@@ -2,7 +2,9 @@
 
 Importable with the core dependencies only (torch, triton, transformers, safetensors).
 """
-from draftkit.inference.decoder import SpecDecoder, SpecError, SpecStats, plain_generate
+from draftkit.inference.decoder import SpecDecoder, plain_generate
+from draftkit.inference.errors import SpecError
+from draftkit.inference.stats import SpecStats
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators

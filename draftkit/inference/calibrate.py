@@ -1,23 +1,67 @@
-"""Calibration for `draftkit eval --draft auto|calibrate`: measure this machine's verify and draft
-cost and the head's acceptance profile on a few prompts, and choose the draft shape from them
-(the cost model itself is draftkit/inference/cost.py)."""
+"""Calibration for `draftkit eval --draft auto|calibrate`: measure this machine's verify, draft and
+plain-decoding cost and trace the head on a few prompts at the requested temperatures, and choose
+the draft shape from them (the cost model itself is draftkit/inference/cost.py). It prints the
+choice with its predicted tau and speedup in one line (plain decoding when no shape pays, with
+the measured costs that say why), a warning for every inconsistency in the profile, and a progress
+bar with an ETA while it measures; `--calibration-budget` bounds its time.
+"""
 from __future__ import annotations
 
+import argparse
 import sys
+from dataclasses import replace
 
 from draftkit.inference.cost import auto_draft, format_choice
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import EvalPrompt, EvalSettings, _prepare
 
+MAX_CALIBRATION_TOKENS = 64
 
-def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n: int) -> DraftSettings:
-    """--draft auto on a head without a `draft:` section (or --draft calibrate): measure on the
-    first n prompts, choose the draft shape, print why, and return it."""
 
-    items, _ = _prepare(target, prompts, 16, settings.max_new_tokens)
-    calib = [it["ids"] for it in items[:: max(1, len(items) // max(n, 1))][:n]]
-    print(f"draft auto: measuring verify/draft cost and the acceptance profile on {len(calib)} prompts ...",
-          file=sys.stderr, flush=True)
-    chosen, _ = auto_draft(target, head, calib, settings.draft, max_new_tokens=min(48, settings.max_new_tokens))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Calibration's flags on `draftkit eval` (cli_eval.py calls this)."""
+    p.add_argument("--calibration-budget", type=float, default=None, metavar="SECONDS",
+                   help="auto/calibrate: seconds the measuring may take (default 120 on CPU, 60 on GPU): fewer "
+                        "measuring rounds and prompts when over")
+
+
+def calibration_prompts(items: list[dict], n: int, skip: set | None = None) -> list[list[int]]:
+    """n prompts as token ids, taken in turn from each category (the list's order within one; all
+    one category when the prompts have none) and spread over each category's prompts, so that
+    the profile sees the mix the evaluation will see. `skip`: id tuples not to take."""
+    by_cat: dict[str, list[list[int]]] = {}
+    for it in items:
+        if skip is None or tuple(it["ids"]) not in skip:
+            by_cat.setdefault(it["category"], []).append(it["ids"])
+    cats = list(by_cat.values())
+    counts = [n // len(cats) + (i < n % len(cats)) for i in range(len(cats))]
+    picks = []
+    for j in range(max(counts, default=0)):  # round j: the j-th pick of every category that has one
+        for c, k in zip(cats, counts):
+            if j < min(k, len(c)):
+                picks.append(c[j * len(c) // k])
+    return picks
+
+
+def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n: int,
+              budget_s: float | None = None, progress: bool = True) -> DraftSettings:
+    """--draft auto on a head without a `draft:` section (or --draft calibrate): measure on n
+    prompts spread over the list at settings' temperatures, choose the draft shape within the
+    head's limits, print it with its prediction, and return it. A failure (a bad head, a setting
+    the head cannot draft) is raised as a SpecError naming calibration, for eval's error path."""
+    from draftkit.heads.base import HeadError
+    from draftkit.inference.errors import SpecError
+
+    try:
+        items, _ = _prepare(target, prompts, 16, settings.max_new_tokens)
+        calib = calibration_prompts(items, n)
+        if not calib:
+            raise SpecError("calibration: no prompt fits the context")
+        chosen, _ = auto_draft(target, head, calib, settings.draft, temperatures=settings.temperatures,
+                               top_k=settings.top_k, top_p=settings.top_p,
+                               max_new_tokens=min(MAX_CALIBRATION_TOKENS, settings.max_new_tokens),
+                               budget_s=budget_s, seed=settings.seed, progress=progress)
+    except HeadError as e:
+        raise SpecError(f"calibration: {e}") from e
     print(format_choice(chosen), file=sys.stderr, flush=True)
-    return chosen
+    return replace(chosen, measured={**chosen.measured, "calibration_prompts": len(calib)})

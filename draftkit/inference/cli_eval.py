@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from draftkit.inference.calibrate import calibrate
-from draftkit.inference.decoder import ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, SpecError, check_acceptance
+from draftkit.inference.calibrate import add_arguments as add_calibration_arguments, calibrate
+from draftkit.inference.errors import SpecError
+from draftkit.inference.typical import ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, check_acceptance
 from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
 from draftkit.inference.evaluate import METHODS, EvalPrompt, EvalSettings, evaluate, read_prompt_file, synthesize_prompts
 from draftkit.inference.rejection import RejectionSampler
@@ -67,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="use a head whose recorded target does not match")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--out", default="runs/eval", help="directory for report.json, report.md, acceptance.png")
+    add_calibration_arguments(p)
+    from draftkit.engines.vllm_eval import add_arguments as add_engine_arguments
+    add_engine_arguments(p)  # --engine vllm, --vllm-python
 
 
 def resolve_head_dir(path: str) -> Path:
@@ -101,6 +105,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "engine", "draftkit") == "vllm":
+        from draftkit.engines.vllm_eval import run_cli
+        return run_cli(args)
     try:
         if args.k is not None and args.k < 1:
             raise SpecError(f"--k must be >= 1, got {args.k}")
@@ -139,7 +146,8 @@ def run(args) -> int:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
     if head is not None and measure:
-        settings = replace(settings, draft=calibrate(target, head, prompts, settings, args.calibration_prompts))
+        settings = replace(settings, draft=calibrate(target, head, prompts, settings, args.calibration_prompts,
+                                                     args.calibration_budget))
         write_draft_section(head_dir, settings.draft)
         print(f"wrote the choice to {head_dir / 'config.json'} (draft:); --draft MODE and the size flags override it",
               file=sys.stderr)

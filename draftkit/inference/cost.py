@@ -1,50 +1,321 @@
 """Draft sizes chosen from measured cost: what `draftkit eval --draft auto` runs.
 
-Three measurements on the machine at hand (batch 1, the target's dtype and device):
-1. verify cost: the target's forward time for w tokens fed after a context (w = 1..64);
-2. draft cost: the head's tree drafting time for each (topk, depth), and the cost of only
-   consuming the confirmed positions (what a hybrid step pays when lookup drafts alone);
-3. the acceptance profile: the loop on a few prompts with the largest hybrid tree for each topk,
-   recording every node of every step (score, depth, from lookup?) and the accepted path.
+The model has two halves, both measured on the machine at hand (batch 1, the target's dtype):
 
-A smaller tree of the same topk keeps, among the big tree's nodes of depth <= d, the `budget`
-best by score (growth is identical up to depth d), and at T = 0 accepts the longest prefix of the
-big tree's accepted path that it contains. So tokens per step of every candidate (topk, depth,
-budget, lookup_len, head_off_at) follow exactly from the recorded steps (on the big tree's
-trajectory), and its cost from (1) and (2). The pick maximises expected tokens / second; the
-report says what was measured, the best few candidates and why the winner won.
+Tokens per step, from traces. A calibration prompt is decoded by plain decoding (`plain_generate`,
+at the requested temperature): its output y is the trajectory. At EVERY position i of y (the step
+that would start with y[i] pending) the trace keeps the lookup proposal for every lookup length
+(NgramDrafter.propose on the same history the loop's lookup sees) and, for every topk, the head's
+whole EAGLE-2 candidate pool of depth D, ranked by score (the head fed exactly what the loop feeds
+it: every confirmed position's feature and next token). A tree of (topk, depth d <= D, budget b)
+keeps the b best pool nodes of depth <= d (growth to depth d is the same in both, and the pool is
+ranked as `tree._select` ranks it), so every candidate's tree at every position is known exactly,
+lookup's branch for its own length included.
+- T = 0: the output of every shape IS y (the walk accepts the longest path of target argmaxes), so a
+  candidate's run is simulated exactly: at position i it accepts the longest prefix of y[i+1:] that
+  its tree holds, and jumps to i + accepted + 1. Its steps and verify widths are those of a real run
+  (tests/test_cost.py checks this against the loop).
+- T > 0: the union of all candidates' trees at position i is verified in one forward; the walk
+  reaches a node with probability prod p(edge) along its path, so E[accepted] of a candidate is
+  the sum of its nodes' reach probabilities: the expected tokens of a step starting there, averaged
+  over the positions of the sampled trajectory.
+
+Cost per step, from timings: the verify forward of w tokens, the head's tree drafting per (topk,
+depth) (or only consuming the confirmed positions), the lookup's proposal and merge, the loop's own
+overhead (walk, cache roll-back, bookkeeping: the residual of a real run of the loop) and, at T > 0,
+the walk's noise rows. Plain decoding's step is timed with plain_generate itself. Every cost is
+measured in several interleaved rounds and the minimum kept (load from other processes only ever
+adds time); the profile is checked for consistency and `warnings` says where it is not.
+
+The pick maximises the predicted speedup (mean over the requested temperatures); where no shape's
+prediction exceeds PAYS the choice is plain decoding.
 """
 from __future__ import annotations
 
+import math
 import platform
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from draftkit.inference.decoder import SpecDecoder, TargetCache, left_pad
+from draftkit.inference.cache import TargetCache, left_pad
+from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
-from draftkit.inference.tree import SOURCE_HEAD, SOURCE_LOOKUP, TreeShape
+from draftkit.inference.ngram import NgramDrafter
+from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators
+from draftkit.inference.tree import DraftTree, TreeShape, add_branches, tree_noise
 
-VERIFY_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+VERIFY_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80)
 BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LOOKUP_LENS = (0, 4, 6, 8, 10)
-HEAD_OFF = (None, 2, 3, 4, 6, 8)
+HEAD_OFF = (None, 2, 4, 6)
+PAYS = 1.05  # a shape is chosen over plain decoding only when predicted this much faster
+INF = 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Traces: what every candidate's tree would be at every position
+# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class StepRecord:
-    nodes: list[tuple[float, int, bool, bool]]  # (head score or -inf, depth, on lookup's branch, on the accepted path)
-    path_depth: int  # accepted nodes
+class Position:
+    """The step that starts with y[i] pending: lookup's proposals by length, and per topk the
+    head's candidate pool best first as (path of tokens from the root, depth)."""
+
+    branches: dict[int, list[int]]
+    ranked: dict[int, list[tuple[tuple[int, ...], int]]]
+    reach: dict[tuple[int, ...], float] | None = None  # T > 0: P(the walk reaches the node)
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def level(self, topk: int, depth: int) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], int]]:
+        """Pool nodes of depth <= depth, best first, and each one's rank among them."""
+        key = (topk, depth)
+        if key not in self._memo:
+            paths = [p for p, d in self.ranked[topk] if d <= depth]
+            self._memo[key] = (paths, {p: r for r, p in enumerate(paths)})
+        return self._memo[key]
 
 
 @dataclass
-class CostProfile:
+class Trace:
+    """One calibration prompt decoded at `temperature`: output y and a Position per step start."""
+
+    prompt_len: int
+    tokens: list[int]
+    temperature: float
+    positions: list[Position]
+    plain_s: float = 0.0  # the plain_generate run that produced y (wall time, prefill included)
+    prefill_ms: float = 0.0  # plain_generate of one token on this prompt (both methods' prefill)
+    head_prefill_ms: float = 0.0  # the head reading the prompt (the first speculative step's extra)
+
+
+def rank_pool(tree: DraftTree) -> list[tuple[tuple[int, ...], int]]:
+    """(1, N) tree -> [(path, depth)] by score, best first, ties to the earlier node (tree._select's order)."""
+    toks, pars, deps = (x[0].tolist() for x in (tree.tokens, tree.parents, tree.depth))
+    scores = tree.score[0].tolist()
+    paths: list[tuple[int, ...]] = []
+    for t, p in zip(toks, pars):
+        paths.append((paths[p] if p >= 0 else ()) + (t,))
+    order = sorted((i for i, t in enumerate(toks) if t >= 0 and math.isfinite(scores[i])), key=lambda i: -scores[i])
+    return [(paths[i], deps[i]) for i in order]
+
+
+def pool_shape(topk: int, depth: int) -> TreeShape:
+    """The shape whose tree is the whole candidate pool (budget = every candidate)."""
+    return TreeShape(topk, depth, topk + (depth - 1) * topk * topk)
+
+
+def _branches(lookup: NgramDrafter, prompt: list[int], y: list[int], i: int, lens) -> dict[int, list[int]]:
+    # the loop's lookup history: the prompt from its second token on (prefill feeds next tokens), then y[:i+1]
+    hist = list(prompt[1:]) + list(y[: i + 1])
+    return {L: lookup.propose(hist, L) for L in lens if L}
+
+
+@torch.inference_mode()
+def trace_prompt(target, head, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
+                 topks, depth: int, lookup_lens=LOOKUP_LENS, lookup_ngram: int = 3, stop_ids=None,
+                 reach_budget: int = 64) -> Trace:
+    """Decode `prompt` plainly and record every position's drafts (module doc). At T > 0 also the
+    reach probabilities of the union of every candidate's nodes (budgets up to reach_budget)."""
+    t = time.perf_counter()
+    out, _, _ = plain_generate(target, [prompt], max_new_tokens, params, [seed], stop_ids)
+    plain_s = time.perf_counter() - t
+    y = out[0]
+    t = time.perf_counter()
+    plain_generate(target, [prompt], 1, params, [seed], stop_ids)
+    prefill_ms = 1e3 * (time.perf_counter() - t)
+    lookup = NgramDrafter(max_n=lookup_ngram)
+    positions = [Position(_branches(lookup, prompt, y, i, lookup_lens), {}) for i in range(len(y) - 1)]
+    dev = target.device
+    P = len(prompt)
+    ids, valid = left_pad([prompt], dev)
+    tc = TargetCache(target, 1, head.feature_layers)
+    if params.greedy:  # teacher-forced features of every position at once
+        _, feats = tc.forward(torch.tensor([list(prompt) + y[:-1]], device=dev),
+                              torch.ones(1, P + len(y) - 1, dtype=torch.bool, device=dev))
+        for k in topks:
+            _head_pools(head, positions, k, depth, ids, valid, y, feats)
+    else:
+        _, feats = tc.forward(ids, valid)
+        tc.commit(valid)
+        _sampled_pools(head, tc, positions, topks, depth, ids, valid, y, feats, params, reach_budget)
+    nxt = torch.cat([ids[:, 1:], ids.new_tensor([[y[0]]])], 1)
+    t = time.perf_counter()
+    head.tree_root(head.new_draft_state(1), feats[:, :P], nxt, valid)
+    head_ms = 1e3 * (time.perf_counter() - t)
+    return Trace(P, y, float(params.temperature), positions, plain_s, prefill_ms, head_ms)
+
+
+def _sampled_pools(head, tc, positions, topks, depth, ids, valid, y, feats, params, reach_budget) -> None:
+    """T > 0: at each position the head's pools, then the union verified (its root's feature is
+    the one the head reads next)."""
+    dev = ids.device
+    states = {k: head.new_draft_state(1) for k in topks}
+    root_feat = feats
+    for i, pos in enumerate(positions):
+        step_feats = feats if i == 0 else root_feat
+        for k in topks:
+            nxt = torch.cat([ids[:, 1:], ids.new_tensor([[y[0]]])], 1) if i == 0 else ids.new_tensor([[y[i]]])
+            v = valid if i == 0 else torch.ones(1, 1, dtype=torch.bool, device=dev)
+            pos.ranked[k] = rank_pool(head.draft_tree(states[k], step_feats, nxt, v, pool_shape(k, depth)))
+        pos.reach, root_feat = _verify_union(tc, pos, y[i], topks, depth, params, reach_budget)
+
+
+def _head_pools(head, positions, k, depth, ids, valid, y, feats) -> None:
+    """T = 0: the head's pool at every position, fed the teacher-forced features (1, P + n - 1, F)
+    as the loop feeds them: the prompt's at the first step, then position P + i - 1 and y[i]."""
+    state = head.new_draft_state(1)
+    P, one = ids.shape[1], torch.ones(1, 1, dtype=torch.bool, device=ids.device)
+    for i, pos in enumerate(positions):
+        if i == 0:
+            nxt = torch.cat([ids[:, 1:], ids.new_tensor([[y[0]]])], 1)
+            tree = head.draft_tree(state, feats[:, :P], nxt, valid, pool_shape(k, depth))
+        else:
+            tree = head.draft_tree(state, feats[:, P + i - 1: P + i], ids.new_tensor([[y[i]]]), one,
+                                   pool_shape(k, depth))
+        pos.ranked[k] = rank_pool(tree)
+
+
+def _union_paths(pos: Position, topks, depth: int, budget: int) -> list[tuple[int, ...]]:
+    """Every node some candidate keeps at this position (budget <= `budget`), parents first."""
+    paths = set()
+    for k in topks:
+        for d in range(1, depth + 1):
+            paths.update(pos.level(k, d)[0][:budget])
+    for br in pos.branches.values():
+        paths.update(tuple(br[:j]) for j in range(1, len(br) + 1))
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+def _verify_union(tc: TargetCache, pos: Position, root: int, topks, depth: int, params: SamplingParams,
+                  budget: int):
+    """T > 0: verify root + the union tree; returns (reach by path, the root slot's feature) and
+    leaves the cache holding the root only (the next position's context)."""
+    paths = _union_paths(pos, topks, depth, budget)
+    index = {p: i for i, p in enumerate(paths)}
+    dev = tc.next_pos.device
+    tree = DraftTree(torch.tensor([[p[-1] for p in paths]], device=dev),
+                     torch.tensor([[index.get(p[:-1], -1) for p in paths]], device=dev),
+                     torch.tensor([[len(p) for p in paths]], device=dev),
+                     torch.ones(1, len(paths), dtype=torch.uint8, device=dev))
+    ids = torch.cat([torch.tensor([[root]], device=dev), tree.tokens], 1)
+    positions = tc.next_pos[:, None] + torch.cat([tree.depth.new_zeros(1, 1), tree.depth], 1)
+    logits, feats = tc.verify(ids, torch.ones_like(ids, dtype=torch.bool), positions, tree.ancestor_mask())
+    probs = logits_to_probs(logits[0], params)  # (N+1, V) the walk's distribution at each slot
+    reach: dict[tuple[int, ...], float] = {}
+    edge = probs[torch.tensor([index[p[:-1]] + 1 if len(p) > 1 else 0 for p in paths], device=dev),
+                 tree.tokens[0]].tolist() if paths else []
+    for p, e in zip(paths, edge):
+        reach[p] = e * (reach[p[:-1]] if len(p) > 1 else 1.0)
+    root_feat = feats[:, :1] if feats is not None else None
+    tc.commit_path(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.ones(1, dtype=torch.long, device=dev),
+                   ids.shape[1])
+    return reach, root_feat
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A draft shape: the head's tree (topk, depth, budget; topk 0 = no head) and lookup's branch."""
+
+    topk: int
+    depth: int
+    budget: int
+    lookup_len: int = 0
+    head_off_at: int | None = None
+
+    @property
+    def loop_depth(self) -> int:
+        """The loop's k: the deepest branch (noise rows per step are k + 1)."""
+        return max(self.depth if self.topk else 0, self.lookup_len)
+
+    def settings(self, base: DraftSettings) -> DraftSettings:
+        if not self.topk:
+            return replace(base, mode="lookup", lookup_len=self.lookup_len)
+        return replace(base, mode="hybrid" if self.lookup_len else "tree", topk=self.topk, depth=self.depth,
+                       budget=self.budget, lookup_len=self.lookup_len or base.lookup_len,
+                       head_off_at=self.head_off_at if self.lookup_len else None)
+
+    def label(self) -> str:
+        if not self.topk:
+            return f"lookup {self.lookup_len}"
+        s = f"tree {self.topk}x{self.depth} b{self.budget}"
+        if self.lookup_len:
+            s += f" + lookup {self.lookup_len}" + (f" (head off at {self.head_off_at})" if self.head_off_at else "")
+        return s
+
+
+def position_step(pos: Position, future: list[int], c: Candidate) -> tuple[float, int, bool]:
+    """(accepted drafts (expected at T > 0), verify width, head drafted?) of c's step at pos;
+    future = y after the pending token (T = 0)."""
+    branch = pos.branches.get(c.lookup_len, []) if c.lookup_len else []
+    head_on = bool(c.topk) and not (c.head_off_at and len(branch) >= c.head_off_at)
+    paths, rank = pos.level(c.topk, c.depth) if head_on else ([], {})
+    kept = min(c.budget, len(paths))
+    branch_new = [tuple(branch[:j]) for j in range(1, len(branch) + 1) if rank.get(tuple(branch[:j]), INF) >= c.budget]
+    width = kept + len(branch_new) + 1
+    if pos.reach is not None:  # T > 0: expected accepted = sum of the nodes' reach probabilities
+        acc = sum(pos.reach.get(p, 0.0) for p in paths[:kept]) + sum(pos.reach.get(p, 0.0) for p in branch_new)
+        return acc, width, head_on
+    acc_head = 0
+    while acc_head < len(future) and rank.get(tuple(future[: acc_head + 1]), INF) < c.budget:
+        acc_head += 1
+    acc_lookup = 0
+    while acc_lookup < min(len(branch), len(future)) and branch[acc_lookup] == future[acc_lookup]:
+        acc_lookup += 1
+    return max(acc_head, acc_lookup), width, head_on
+
+
+def simulate(trace: Trace, c: Candidate) -> list[tuple[float, int, bool]]:
+    """The steps of c on the trace: per step (tokens emitted, verify width, head drafted?).
+    T = 0: the exact run (every step starts where the last one ended). T > 0: one expected step
+    per position of the sampled trajectory (a step's start is a position drawn uniformly)."""
+    n, y = len(trace.tokens), trace.tokens
+    if trace.temperature > 0:
+        return [(acc + 1, w, h) for acc, w, h in (position_step(p, [], c) for p in trace.positions)]
+    steps, i = [], 0
+    while i < n - 1:
+        acc, w, h = position_step(trace.positions[i], y[i + 1:], c)
+        steps.append((int(acc) + 1, w, h))
+        i += int(acc) + 1
+    return steps
+
+
+def simulated_steps(trace: Trace, c: Candidate) -> float:
+    """Verify steps c needs for the trace's output (T > 0: expected, from the mean tokens per step)."""
+    steps = simulate(trace, c)
+    if trace.temperature == 0 or not steps:
+        return float(len(steps))
+    return (len(trace.tokens) - 1) / (sum(s[0] for s in steps) / len(steps))
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Costs:
+    """Milliseconds on this machine at one temperature (module doc)."""
+
     verify_ms: dict[int, float]
     draft_ms: dict[tuple[int, int], float]  # (topk, depth) -> ms
-    consume_ms: float
-    overhead_ms: float  # per step, beyond the forward and the drafting (walk, commit, bookkeeping)
-    steps: dict[int, list[StepRecord]] = field(default_factory=dict)  # topk -> records
+    consume_ms: float  # the head reading the confirmed positions only (a head-off hybrid step)
+    plain_step_ms: float  # one plain_generate step (forward + sampling)
+    plain_prefill_ms: float  # plain_generate of one token on the calibration context
+    head_prefill_ms: float = 0.0  # the head reading the calibration context (the first draft's extra)
+    noise_ms_per_row: float = 0.0  # T > 0: one 1/Exp(1) row over the vocabulary per depth + 1
+    lookup_ms: float = 0.0  # lookup's proposal and merge per step
+    overhead_ms: float = 0.0  # per step beyond forward, drafting and noise (walk, roll-back, bookkeeping)
+    temperature: float = 0.0
+    plain_run_ms: float = 0.0  # plain_generate of 1 + plain_tokens tokens (plain_step_ms is the difference)
+    plain_tokens: int = 8
 
     def verify(self, width: int) -> float:
         """Linear interpolation in the measured widths (the last slope beyond them)."""
@@ -57,183 +328,325 @@ class CostProfile:
         a, b = ws[-2], ws[-1]
         return self.verify_ms[b] + (self.verify_ms[b] - self.verify_ms[a]) * (width - b) / (b - a)
 
-
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * sorted(times)[len(times) // 2]
+    def step(self, c: Candidate, width: float, head_on: bool) -> float:
+        """ms of one speculative step of c with this verify width."""
+        draft = (self.draft_ms[(c.topk, c.depth)] if head_on else self.consume_ms) if c.topk else 0.0
+        noise = self.noise_ms_per_row * (c.loop_depth + 1) if self.temperature > 0 else 0.0
+        return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + self.overhead_ms + noise
 
 
-@torch.inference_mode()
-def measure_verify(target, context: list[int], widths=VERIFY_WIDTHS, reps: int = 5) -> dict[int, float]:
-    """ms of one target forward of w causal tokens after `context` (median of reps)."""
-    ids, valid = left_pad([context], target.device)
-    tc = TargetCache(target, 1)
-    tc.forward(ids, valid)
-    tc.commit(valid)
-    out = {}
-    for w in widths:
-        block = torch.full((1, w), int(context[-1]), dtype=torch.long, device=target.device)
-        ar = torch.arange(w, device=target.device)
+def predict(traces: list[Trace], costs: Costs, c: Candidate) -> dict:
+    """c's predicted tau, ms per step and speedup over plain decoding on the traces' prompts
+    (prefill included on both sides, as eval's tokens/s are)."""
+    spec_ms = plain_ms = steps_total = tokens = 0.0
+    for tr in traces:
+        steps = simulate(tr, c)
+        n_steps = simulated_steps(tr, c)
+        mean_cost = sum(costs.step(c, w, h) for _, w, h in steps) / max(len(steps), 1)
+        spec_ms += tr.prefill_ms + (tr.head_prefill_ms if c.topk else 0.0) + n_steps * mean_cost
+        plain_ms += tr.prefill_ms + (len(tr.tokens) - 1) * costs.plain_step_ms
+        steps_total += n_steps
+        tokens += len(tr.tokens) - 1
+    return {"tau": tokens / steps_total if steps_total else 1.0,
+            "ms_per_step": (spec_ms - sum(tr.prefill_ms for tr in traces)) / max(steps_total, 1e-9),
+            "speedup": plain_ms / spec_ms if spec_ms else 0.0}
 
-        def step():
-            tc.verify(block, torch.ones(1, w, dtype=torch.bool, device=target.device), tc.next_pos[:, None] + ar,
-                      (ar[None, :] <= ar[:, None])[None])
-            tc._crop(w)
-        out[w] = _time(step, reps)
+
+def candidates(topks, max_depth: int, budgets=BUDGETS, lookup_lens=LOOKUP_LENS, head_off=HEAD_OFF) -> list[Candidate]:
+    """Every shape the traces can simulate: trees cut from each topk's pool (depth <= max_depth),
+    with and without lookup's branch, and lookup alone."""
+    out = [Candidate(0, 0, 0, L) for L in lookup_lens if L]
+    for k in topks:
+        for d in range(1, max_depth + 1):
+            for b in budgets:
+                if b > k + (d - 1) * k * k or (k == 1 and b != d):
+                    continue
+                for L in lookup_lens:
+                    for off in head_off if L else (None,):
+                        if off is None or off <= L:
+                            out.append(Candidate(k, d, b, L, off))
     return out
 
 
+def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs], cands: list[Candidate],
+           pays: float = PAYS) -> tuple[Candidate | None, list[dict]]:
+    """Rank the candidates by predicted speedup (mean over temperatures); None = plain decoding
+    (no candidate is predicted faster than `pays` x plain). Returns (choice, ranked rows)."""
+    rows = []
+    for c in cands:
+        per_t = {t: predict(traces_by_t[t], costs_by_t[t], c) for t in traces_by_t}
+        mean = sum(p["speedup"] for p in per_t.values()) / len(per_t)
+        rows.append({"candidate": c, "label": c.label(), "speedup": mean,
+                     "by_temperature": {f"{t:g}": {key: round(v, 4) for key, v in p.items()} for t, p in per_t.items()}})
+    rows.sort(key=lambda r: -r["speedup"])
+    return (rows[0]["candidate"] if rows and rows[0]["speedup"] > pays else None), rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring the costs
+# ---------------------------------------------------------------------------------------------
+
+
+def _min_times(items: dict, rounds: int, tick=None, warmup: bool = True) -> dict:
+    """ms of each callable: `rounds` interleaved rounds (after a warm-up round), the minimum kept
+    (another process can only ever add time)."""
+    best = {key: math.inf for key in items}
+    for r in range(rounds + warmup):
+        for key, fn in items.items():
+            t = time.perf_counter()
+            fn()
+            if r or not warmup:
+                best[key] = min(best[key], 1e3 * (time.perf_counter() - t))
+        if tick is not None:
+            tick()
+    return best
+
+
 @torch.inference_mode()
-def measure_draft(target, head, context: list[int], topks, depth: int, reps: int = 5) -> tuple[dict, float]:
-    """ms of head.draft_tree for every (topk, d <= depth) after `context`, and of consuming alone."""
-    ids, valid = left_pad([context], target.device)
+def measure_costs(target, head, context: list[int], topks, depth: int, params: SamplingParams, rounds: int = 5,
+                  widths=VERIFY_WIDTHS, plain_tokens: int = 8, tick=None, warmup: bool = True) -> Costs:
+    """Time every cost of the model on `context` (interleaved rounds, minimum kept)."""
+    dev = target.device
+    ids, valid = left_pad([context], dev)
     tc = TargetCache(target, 1, head.feature_layers)
     _, feats = tc.forward(ids, valid)
+    tc.commit(valid)
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
     state = head.new_draft_state(1)
-    head.tree_root(state, feats, nxt, valid)  # the prompt is in the head's cache; then one new position a step
+    head.tree_root(state, feats, nxt, valid)  # the context is in the head's cache; then one position a step
     one_f, one_t, one_v = feats[:, -1:], nxt[:, -1:], valid[:, -1:]
-    out = {}
+    items = {("verify", w): _verify_fn(tc, context[-1], w) for w in widths}
     for k in topks:
         for d in range(1, depth + 1):
-            out[(k, d)] = _time(lambda: head.draft_tree(state, one_f, one_t, one_v, TreeShape(k, d, 10 ** 6)), reps)
-    consume = _time(lambda: head.tree_root(state, one_f, one_t, one_v), reps)
-    return out, consume
+            items[("draft", k, d)] = (lambda k=k, d=d: head.draft_tree(state, one_f, one_t, one_v, TreeShape(k, d, k)))
+    items["consume"] = lambda: head.tree_root(state, one_f, one_t, one_v)
+    items["head_prefill"] = lambda: head.tree_root(head.new_draft_state(1), feats, nxt, valid)
+    lookup, tree = NgramDrafter(), head.draft_tree(state, one_f, one_t, one_v, TreeShape(4, min(3, depth), 16))
+    items["lookup"] = lambda: add_branches(tree, [lookup.propose(context, max(LOOKUP_LENS))])  # HybridDrafter's extra
+    items["plain1"] = lambda: plain_generate(target, [context], 1, params, [0], [])
+    items["plainN"] = lambda: plain_generate(target, [context], 1 + plain_tokens, params, [0], [])
+    rows = 10
+    if not params.greedy:
+        gens = make_generators([0], dev)
+        items["noise"] = lambda: tree_noise(rows - 1, target.vocab_size, gens)
+    ms = _min_times(items, rounds, tick, warmup)
+    return Costs({w: ms[("verify", w)] for w in widths}, {key[1:]: v for key, v in ms.items() if key[0] == "draft"},
+                 ms["consume"], (ms["plainN"] - ms["plain1"]) / plain_tokens, ms["plain1"], ms["head_prefill"],
+                 noise_ms_per_row=ms.get("noise", 0.0) / rows, temperature=float(params.temperature),
+                 plain_run_ms=ms["plainN"], plain_tokens=plain_tokens, lookup_ms=ms["lookup"])
+
+
+def _verify_fn(tc: TargetCache, token: int, w: int):
+    """One verify forward of w tokens (a chain mask; a tree's mask costs the same) after the cache."""
+    dev = tc.next_pos.device
+    block = torch.full((1, w), int(token), dtype=torch.long, device=dev)
+    ar = torch.arange(w, device=dev)
+    mask = (ar[None, :] <= ar[:, None])[None]
+    ones = torch.ones(1, w, dtype=torch.bool, device=dev)
+
+    def step():
+        tc.verify(block, ones, tc.next_pos[:, None] + ar, mask)
+        tc._crop(w)
+    return step
 
 
 @torch.inference_mode()
-def record_profile(target, drafter_for, prompts: list[list[int]], topks, depth: int, max_new_tokens: int,
-                   stop_ids=None) -> tuple[dict[int, list[StepRecord]], list[int], float, int]:
-    """Run the loop with the biggest tree per topk (drafter_for(topk) -> (drafter, shape)) and
-    record every step. Returns the records, every step's verify width, the loop's seconds outside
-    prefill and drafting, and its steps (the caller subtracts the forward's share: the rest is the
-    per-step overhead of the walk, the cache roll-back and the bookkeeping)."""
-    records: dict[int, list[StepRecord]] = {}
-    widths, verify_s, steps = [], 0.0, 0
-    for k in topks:
-        drafter, shape = drafter_for(k)
-        dec = SpecDecoder(target, drafter, tree=shape, stop_ids=stop_ids)
-        recs = records.setdefault(k, [])
-
-        def observe(tree, verdict):
-            on_path = set(verdict.path[0].tolist()[: int(verdict.num_accepted[0])])
-            nodes = []
-            for i, (t, sc, dep, src) in enumerate(zip(tree.tokens[0].tolist(), tree.score[0].tolist(),
-                                                     tree.depth[0].tolist(), tree.source[0].tolist())):
-                if t >= 0:
-                    nodes.append((sc if src & SOURCE_HEAD else float("-inf"), dep, bool(src & SOURCE_LOOKUP),
-                                  (i + 1) in on_path))
-            recs.append(StepRecord(nodes, int(verdict.num_accepted[0])))
-            widths.append(len(nodes) + 1)
-        dec.observer = observe
-        for p in prompts:
-            _, st = dec.generate([p], max_new_tokens)
-            verify_s += st.total_s - st.prefill_s - st.draft_s  # the forward + everything else per step
-            steps += st.steps
-    return records, widths, verify_s, steps
-
-
-def simulate(records: list[StepRecord], budget: int, depth: int, lookup_len: int, head_off_at: int | None
-             ) -> tuple[float, list[tuple[int, bool]]]:
-    """Mean tokens per step of the candidate and, per step, (verify width, head drafted?)."""
-    total, shape = 0, []
-    for r in records:
-        lookup_nodes = [n for n in r.nodes if n[2] and n[1] <= lookup_len]
-        head_on = not (head_off_at and len(lookup_nodes) >= head_off_at)
-        heads = sorted((n for n in r.nodes if n[0] > float("-inf") and n[1] <= depth), key=lambda n: -n[0])
-        kept = set(map(id, heads[:budget])) if head_on else set()
-        in_tree = lambda n: id(n) in kept or (n[2] and n[1] <= lookup_len)  # noqa: E731
-        width = len({id(n) for n in r.nodes if in_tree(n)}) + 1
-        path = sorted((n for n in r.nodes if n[3]), key=lambda n: n[1])
-        acc = 0
-        for n in path:
-            if not in_tree(n):
-                break
-            acc += 1
-        total += acc + 1
-        shape.append((width, head_on))
-    return total / max(len(records), 1), shape
-
-
-def choose(profile: CostProfile, base: DraftSettings, max_depth: int) -> tuple[DraftSettings, list[dict]]:
-    """Every candidate's expected tokens/s; the best as DraftSettings, and the ranked table."""
-    rows = []
-    for k, recs in profile.steps.items():
-        if not recs:
-            continue
-        for d in range(1, max_depth + 1):
-            for budget in BUDGETS:
-                if budget > k + (d - 1) * k * k or (k == 1 and budget != d):
-                    continue
-                for L in LOOKUP_LENS:
-                    for off in HEAD_OFF if L else (None,):
-                        if off is not None and off > L:
-                            continue
-                        tau, shape = simulate(recs, budget, d, L, off)
-                        cost = sum(profile.verify(w) + (profile.draft_ms[(k, d)] if on else profile.consume_ms)
-                                   + profile.overhead_ms for w, on in shape)
-                        rows.append({"topk": k, "depth": d, "budget": budget, "lookup_len": L, "head_off_at": off,
-                                     "tau": tau, "ms_per_step": cost / len(shape),
-                                     "tokens_per_s": 1e3 * tau * len(shape) / cost})
-    rows.sort(key=lambda r: -r["tokens_per_s"])
-    best = rows[0]
-    mode = "hybrid" if best["lookup_len"] else "tree"
-    chosen = replace(base, mode=mode, topk=best["topk"], depth=best["depth"], budget=best["budget"],
-                     lookup_len=best["lookup_len"] or base.lookup_len, head_off_at=best["head_off_at"])
-    return chosen, rows
-
-
-def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | None = None, *, topks=(1, 2, 4, 8),
-               max_depth: int = 8, max_budget: int = 64, max_lookup: int = 10, max_new_tokens: int = 48,
-               context: list[int] | None = None, progress: bool = False) -> tuple[DraftSettings, dict]:
-    """Measure, simulate, choose. Returns the chosen DraftSettings (chosen_by / measured filled)."""
+def measure_loop(target, head, context: list[int], costs: Costs, params: SamplingParams, c: Candidate,
+                 lookup_ngram: int = 3, tokens: int = 32, rounds: int = 2) -> float:
+    """Run the real loop with c (head drafting every step) and return its overhead_ms: the median
+    over steps of each step's wall time (observer to observer) beyond the timed forward, drafting,
+    lookup and noise. The median, as the parts are minima: a step slowed by another process must
+    not count as overhead."""
     from draftkit.inference.drafters import HybridDrafter
-    from draftkit.inference.ngram import NgramDrafter
+
+    drafter = HybridDrafter(head, NgramDrafter(max_n=lookup_ngram), c.lookup_len)
+    dec = SpecDecoder(target, drafter, tree=TreeShape(c.topk, c.depth, c.budget), stop_ids=[])
+    seen: list[tuple[float, int]] = []  # (time, verify width) at each step's walk
+    dec.observer = lambda tree, verdict: seen.append((time.perf_counter(), int((tree.tokens[0] >= 0).sum()) + 1))
+    noise = costs.noise_ms_per_row * (dec.k + 1) if not params.greedy else 0.0
+    fixed = costs.draft_ms[(c.topk, c.depth)] + costs.lookup_ms + noise
+    residuals = []
+    for _ in range(rounds):
+        seen.clear()
+        dec.generate([context], tokens, params, [0])
+        residuals += [1e3 * (t1 - t0) - costs.verify(w) - fixed for (t0, _), (t1, w) in zip(seen, seen[1:])]
+    residuals.sort()
+    return residuals[len(residuals) // 2] if residuals else 0.0
+
+
+def check_costs(costs: Costs) -> list[str]:
+    """Where the measured profile is not what one machine at rest gives (module doc)."""
+    out = []
+    if costs.overhead_ms > 0.25 * costs.plain_step_ms:
+        out.append(f"step overhead {costs.overhead_ms:.1f} ms against a plain step of {costs.plain_step_ms:.1f} ms "
+                   f"(expected far less): another process may share the device; the choice may be wrong")
+    if costs.overhead_ms < -0.1 * costs.plain_step_ms:
+        out.append(f"the loop's steps ran {-costs.overhead_ms:.1f} ms faster than their timed parts: timings unstable")
+    ws = sorted(costs.verify_ms)
+    for a, b in zip(ws, ws[1:]):
+        if costs.verify_ms[b] < 0.9 * costs.verify_ms[a]:
+            out.append(f"verify cost falls with width ({a}: {costs.verify_ms[a]:.1f} ms, {b}: "
+                       f"{costs.verify_ms[b]:.1f} ms): timings unstable (load on the machine?)")
+    if costs.plain_step_ms <= 0 or costs.plain_step_ms > 2 * costs.verify_ms[ws[0]]:
+        out.append(f"plain step {costs.plain_step_ms:.1f} ms against a 1-token forward of "
+                   f"{costs.verify_ms[ws[0]]:.1f} ms: timings unstable")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Measure, simulate, choose
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    """What auto_draft measured and predicted (the traces and costs per temperature, the ranking)."""
+
+    traces: dict[float, list[Trace]]
+    costs: dict[float, Costs]
+    rows: list[dict]
+    choice: Candidate | None
+    warnings: list[str]
+    seconds: float
+
+
+def head_depth(head, max_depth: int) -> int:
+    """The deepest tree the head drafts, at most max_depth (a Medusa head: its number of heads)."""
+    limit = getattr(head, "max_tree_depth", None)
+    return max(1, min(max_depth, limit) if limit is not None else max_depth)
+
+
+def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | None = None, *,
+               temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0, topks=(1, 2, 4, 8), max_depth: int = 6,
+               max_new_tokens: int = 48, budget_s: float | None = None, rounds: int = 5, seed: int = 0,
+               progress: bool = False, pays: float = PAYS) -> tuple[DraftSettings, Calibration]:
+    """Measure, trace, simulate, choose (module doc), within about budget_s seconds: fewer cost
+    rounds and fewer prompts when the first ones show the whole would not fit. Returns the chosen
+    DraftSettings (mode "plain" when nothing pays; chosen_by / measured filled) and the Calibration."""
+    from tqdm.auto import tqdm
 
     base = base or DraftSettings()
-    ctx = context or (prompts[0] * (1 + 256 // max(len(prompts[0]), 1)))[:256]
-    t0 = time.perf_counter()
-    verify_ms = measure_verify(target, ctx)
-    draft_ms, consume_ms = measure_draft(target, head, ctx, topks, max_depth)
+    budget_s = budget_s or (120.0 if target.device.type == "cpu" else 60.0)
+    depth = head_depth(head, max_depth)
+    temps = [float(t) for t in temperatures] or [0.0]
+    ctx = _context(prompts, max_new_tokens)
+    t0, warnings = time.perf_counter(), []
+    traces: dict[float, list[Trace]] = {}
+    costs: dict[float, Costs] = {}
+    bar = tqdm(total=len(temps) * (rounds + 2 + len(prompts)), desc="draft auto: calibrating", unit="part",
+               disable=not progress, dynamic_ncols=True)
+    for ti, T in enumerate(temps):
+        params = SamplingParams(T, top_k, top_p)
+        share = (budget_s - (time.perf_counter() - t0)) / (len(temps) - ti)  # this temperature's seconds
+        t_start = time.perf_counter()
+        c = measure_costs(target, head, ctx, topks, depth, params, rounds=1, tick=bar.update)
+        one_round = 1e-3 * (sum(c.verify_ms.values()) + sum(c.draft_ms.values()) + c.plain_run_ms + c.plain_prefill_ms)
+        more = max(min(2, rounds - 1), min(rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))  # >= 3 rounds
+        c = _min_costs(c, measure_costs(target, head, ctx, topks, depth, params, rounds=more, tick=bar.update,
+                                        warmup=False))
+        bar.update(rounds - 1 - more)
+        probe = Candidate(topks[len(topks) // 2], min(3, depth), 16, max(LOOKUP_LENS))
+        c.overhead_ms = measure_loop(target, head, ctx, c, params, probe, base.lookup_ngram)
+        bar.update(1)
+        warnings += [f"T={T:g}: {w}" for w in check_costs(c)]
+        costs[T] = c
+        traces[T] = []
+        traced_s = 0.0
+        for i, p in enumerate(prompts):
+            left = share - (time.perf_counter() - t_start)
+            if traces[T] and traced_s / len(traces[T]) > left:  # the next prompt would not fit
+                warnings.append(f"T={T:g}: calibration budget ({budget_s:.0f} s): traced {len(traces[T])} of "
+                                f"{len(prompts)} prompts")
+                bar.update(len(prompts) - i)
+                break
+            t_trace = time.perf_counter()
+            traces[T].append(trace_prompt(target, head, p, max_new_tokens, params, seed + i, topks, depth,
+                                          lookup_ngram=base.lookup_ngram))
+            traced_s += time.perf_counter() - t_trace
+            bar.update(1)
+        warnings += [f"T={T:g}: {w}" for w in check_plain(traces[T], c)]
+    bar.close()
+    choice, rows = choose(traces, costs, candidates(topks, depth), pays)
+    cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0)
+    chosen = _settings(base, cal, target)
+    return replace(chosen, depth=min(chosen.depth, depth)), cal  # the sizes eval's other methods run too
 
-    def drafter_for(k):
-        shape = TreeShape(k, max_depth, max_budget if k > 1 else max_depth)
-        return HybridDrafter(head, NgramDrafter(max_n=base.lookup_ngram), max_lookup), shape
-    records, widths, verify_s, steps = record_profile(target, drafter_for, prompts, topks, max_depth, max_new_tokens)
-    profile = CostProfile(verify_ms, draft_ms, consume_ms, 0.0, records)
-    forward = sum(profile.verify(w) for w in widths) / max(len(widths), 1)
-    profile.overhead_ms = max(0.0, 1e3 * verify_s / max(steps, 1) - forward)
-    chosen, rows = choose(profile, base, max_depth)
-    plain = verify_ms[1] + profile.overhead_ms
-    why = (f"measured: {len(prompts)} prompts x {max_new_tokens} tokens per topk in {time.perf_counter() - t0:.0f} s; "
-           f"predicted tau {rows[0]['tau']:.2f}, {rows[0]['ms_per_step']:.1f} ms/step, "
-           f"{rows[0]['tokens_per_s'] / (1e3 / plain):.2f}x plain")
-    measured = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-                "verify_ms": {str(w): round(v, 3) for w, v in verify_ms.items()},
-                "draft_ms": {f"{k}x{d}": round(v, 3) for (k, d), v in draft_ms.items()},
-                "consume_ms": round(consume_ms, 3), "overhead_ms": round(profile.overhead_ms, 3),
-                "plain_ms_per_token": round(plain, 3), "top_candidates": rows[:8],
-                "steps_recorded": {str(k): len(v) for k, v in records.items()}}
-    return replace(chosen, chosen_by=why, measured=measured), {"rows": rows, "profile": profile}
+
+def _context(prompts: list[list[int]], max_new_tokens: int) -> list[int]:
+    """A context of the calibration prompts' mean length plus half the new tokens (where a step
+    runs on average), cut from the prompts themselves."""
+    n = sum(map(len, prompts)) // max(len(prompts), 1) + max_new_tokens // 2
+    flat = [t for p in prompts for t in p]
+    return (flat * (1 + n // max(len(flat), 1)))[: max(n, 2)]
+
+
+def _min_costs(a: Costs, b: Costs) -> Costs:
+    """Element-wise minimum of two measurements of the same costs (the plain step: the difference
+    of the minimum runs)."""
+    low = {f: min(getattr(a, f), getattr(b, f)) for f in ("consume_ms", "plain_prefill_ms", "head_prefill_ms",
+                                                          "noise_ms_per_row", "plain_run_ms", "lookup_ms")}
+    return replace(a, verify_ms={w: min(a.verify_ms[w], b.verify_ms[w]) for w in a.verify_ms},
+                   draft_ms={key: min(a.draft_ms[key], b.draft_ms[key]) for key in a.draft_ms}, **low,
+                   plain_step_ms=(low["plain_run_ms"] - low["plain_prefill_ms"]) / a.plain_tokens)
+
+
+def check_plain(traces: list[Trace], costs: Costs) -> list[str]:
+    """The plain runs that made the traces against the timed plain step: much slower = load."""
+    model = sum(tr.prefill_ms + (len(tr.tokens) - 1) * costs.plain_step_ms for tr in traces)
+    ran = 1e3 * sum(tr.plain_s for tr in traces)
+    if model and ran > 1.3 * model:
+        return [f"the calibration's plain runs took {ran / 1e3:.1f} s against {model / 1e3:.1f} s from the timed step: "
+                "another process may share the device"]
+    return []
+
+
+def _settings(base: DraftSettings, cal: Calibration, target) -> DraftSettings:
+    """The choice as DraftSettings, with the measured costs and the prediction in `measured`."""
+    T0 = next(iter(cal.costs))
+    c = cal.costs[T0]
+    best = cal.rows[0] if cal.rows else None
+    n_prompts = len(cal.traces[T0])
+    if cal.choice is None:
+        chosen = replace(base, mode="plain")
+        why = (f"measured: plain decoding, no shape is predicted faster than {PAYS:.2f}x plain on this machine "
+               f"(best {best['label']}: {best['speedup']:.2f}x; plain step {c.plain_step_ms:.1f} ms, "
+               f"{_cost_words(c, best['candidate'])})" if best else "measured: plain decoding (no candidate)")
+    else:
+        chosen = cal.choice.settings(base)
+        pred = ", ".join(f"T={t}: tau {p['tau']:.2f}, {p['speedup']:.2f}x" for t, p in best["by_temperature"].items())
+        why = f"measured: predicted {pred} over plain ({c.plain_step_ms:.1f} ms/step, {_cost_words(c, cal.choice)})"
+    why += f"; {n_prompts} prompts in {cal.seconds:.0f} s"
+    measured = {
+        "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+        "prompts": n_prompts, "seconds": round(cal.seconds, 1), "warnings": list(cal.warnings),
+        "predicted": best["by_temperature"] if cal.choice is not None and best else
+        {f"{t:g}": {"tau": 1.0, "speedup": 1.0} for t in cal.costs},
+        "costs": {f"{t:g}": _costs_dict(cc) for t, cc in cal.costs.items()},
+        "top_candidates": [{"shape": r["label"], "speedup": round(r["speedup"], 4), **r["by_temperature"]}
+                           for r in cal.rows[:8]],
+    }
+    return replace(chosen, chosen_by=why, measured=measured)
+
+
+def _cost_words(c: Costs, cand: Candidate) -> str:
+    """The measured costs that decide cand, in words."""
+    w = cand.budget + cand.lookup_len + 1 if cand.topk else cand.lookup_len + 1
+    draft = f"head draft {c.draft_ms[(cand.topk, cand.depth)]:.1f} ms, " if cand.topk else ""
+    return f"verify {w}: {c.verify(w):.1f} ms, {draft}loop overhead {c.overhead_ms:.1f} ms"
+
+
+def _costs_dict(c: Costs) -> dict:
+    return {"verify_ms": {str(w): round(v, 3) for w, v in c.verify_ms.items()},
+            "draft_ms": {f"{k}x{d}": round(v, 3) for (k, d), v in c.draft_ms.items()},
+            "consume_ms": round(c.consume_ms, 3), "plain_step_ms": round(c.plain_step_ms, 3),
+            "overhead_ms": round(c.overhead_ms, 3), "lookup_ms": round(c.lookup_ms, 3),
+            "noise_ms_per_row": round(c.noise_ms_per_row, 4)}
 
 
 def format_choice(settings: DraftSettings) -> str:
-    """What auto chose and why, for the terminal."""
+    """What auto chose, its prediction and the measured costs, in one line (+ one per warning)."""
     m = settings.measured or {}
-    lines = [f"draft: {settings.describe()}  ({settings.chosen_by})"]
-    if m.get("verify_ms"):
-        vm = m["verify_ms"]
-        lines.append("  verify ms by width: " + ", ".join(f"{w}:{v:.1f}" for w, v in vm.items()))
-        lines.append(f"  head consume {m.get('consume_ms', 0):.1f} ms, step overhead {m.get('overhead_ms', 0):.1f} ms, "
-                     f"plain {m.get('plain_ms_per_token', 0):.1f} ms/token")
-    for r in m.get("top_candidates", [])[:5]:
-        lines.append(f"  topk {r['topk']} depth {r['depth']} budget {r['budget']} lookup {r['lookup_len']} "
-                     f"head_off {r['head_off_at']}: tau {r['tau']:.2f}, {r['ms_per_step']:.1f} ms/step, "
-                     f"{r['tokens_per_s']:.1f} tok/s")
+    lines = [f"draft auto: {settings.describe()}  ({settings.chosen_by})"]
+    lines += [f"draft auto: warning: {w}" for w in m.get("warnings", [])]
     return "\n".join(lines)

@@ -9,7 +9,9 @@ Heads, the n-gram lookup (inference/ngram.py) and HybridDrafter all implement it
 never asks which one it holds.
 
 Modes:
-  chain    the head's chain of k (sampled at T > 0 and verified by rejection sampling with q)
+  chain    the head's chain of k, verified by rejection sampling: at T > 0 drawn from q and
+           verified with q (draft_sampling "sample"), or the head's argmax verified as one-hot
+           (draft_sampling "greedy", vLLM's default draft_sample_method; see inference/decoder.py)
   tree     the head's EAGLE-2 tree (topk, depth, budget), verified by the tree walk
   hybrid   the head's tree plus the lookup proposal (lookup_len tokens) as a branch of the same
            tree; common prefixes merge. Where lookup finds nothing it is the head's tree alone;
@@ -17,6 +19,7 @@ Modes:
            positions and lookup's branch is verified alone (the head's tree would cost its
            drafting for little: lookup's long matches are accepted far more often).
   lookup   prompt lookup alone (no head): a chain of lookup_len tokens
+  plain    no drafting: plain decoding (what auto chooses where no shape pays on the machine)
 """
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ from typing import Any
 
 from torch import Tensor
 
-from draftkit.inference.decoder import SpecError
+from draftkit.inference.decoder import DRAFT_SAMPLING
+from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.tree import SOURCE_LOOKUP, DraftTree, TreeShape, add_branches
 
-MODES = ("chain", "tree", "hybrid", "lookup")
+MODES = ("chain", "tree", "hybrid", "lookup", "plain")
 
 
 class DraftSettingsError(SpecError):
@@ -49,6 +53,7 @@ class DraftSettings:
     lookup_len: int = 8  # lookup's branch (hybrid) or chain (lookup mode) length
     lookup_ngram: int = 3  # longest suffix n-gram lookup matches
     head_off_at: int | None = None  # hybrid: lookup proposals this long skip the head's tree (None = never)
+    draft_sampling: str = "sample"  # chain: "sample" (draw from q, verify with q) | "greedy" (argmax, q one-hot)
     chosen_by: str = "default"  # "default", "user", or "measured: ..." (what auto saw)
     measured: dict = field(default_factory=dict)  # the cost model's inputs and its pick (auto)
 
@@ -61,6 +66,9 @@ class DraftSettings:
                 raise DraftSettingsError(f"draft.{name} must be an integer >= 1, got {v!r}")
         if self.head_off_at is not None and (not isinstance(self.head_off_at, int) or self.head_off_at < 1):
             raise DraftSettingsError(f"draft.head_off_at must be an integer >= 1 or null, got {self.head_off_at!r}")
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise DraftSettingsError(f"draft.draft_sampling must be one of {', '.join(DRAFT_SAMPLING)} "
+                                     f"(how a chain's drafts are drawn and verified), got {self.draft_sampling!r}")
 
     @classmethod
     def from_dict(cls, data: dict | None, where: str = "draft") -> "DraftSettings":
@@ -82,8 +90,10 @@ class DraftSettings:
         return TreeShape(self.topk, self.depth, self.budget)
 
     def describe(self) -> str:
+        if self.mode == "plain":
+            return "plain decoding (no drafting)"
         if self.mode == "chain":
-            return f"chain k={self.k}"
+            return f"chain k={self.k}" + (", greedy drafts (q one-hot)" if self.draft_sampling == "greedy" else "")
         if self.mode == "lookup":
             return f"lookup chain {self.lookup_len} (n<={self.lookup_ngram})"
         tree = f"tree topk={self.topk} depth={self.depth} budget={self.budget}"
@@ -94,11 +104,13 @@ class DraftSettings:
 
     def decoder_args(self, head) -> tuple[Any, dict]:
         """(drafter, SpecDecoder keyword arguments) for this mode over `head` (None: lookup)."""
+        if self.mode == "plain":
+            raise DraftSettingsError("draft mode plain drafts nothing: decode with plain_generate")
         lookup = NgramDrafter(max_n=self.lookup_ngram)
         if self.mode == "lookup" or head is None:
             return lookup, {"k": self.lookup_len}
         if self.mode == "chain":
-            return head, {"k": self.k}
+            return head, {"k": self.k, "draft_sampling": self.draft_sampling}
         if self.mode == "tree":
             return head, {"tree": self.shape}
         return HybridDrafter(head, lookup, self.lookup_len, self.head_off_at), {"tree": self.shape}

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from draftkit.inference.decoder import (TYPICAL_DELTA, TYPICAL_EPSILON, SpecDecoder, SpecError,
-                                        SpecStats, PlainStats, acceptance_label, check_acceptance, compare_greedy,
-                                        context_length, plain_generate, stop_token_ids)
+from draftkit.inference.decoder import SpecDecoder, context_length, plain_generate, stop_token_ids
 from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.errors import SpecError
+from draftkit.inference.stats import PlainStats, SpecStats, TeacherForced, compare_greedy
+from draftkit.inference.typical import TYPICAL_DELTA, TYPICAL_EPSILON, acceptance_label, check_acceptance
 from draftkit.inference.rejection import RejectionSampler
 from draftkit.inference.sampling import SamplingParams
 from draftkit.prompts import no_prompts_message, read_text_prompts, record_id, record_messages
@@ -174,7 +175,7 @@ class EvalSettings:
 
 
 METHODS = ("plain", "lookup", "head", "hybrid")
-MAIN_OF_MODE = {"chain": "head", "tree": "head", "hybrid": "hybrid", "lookup": "lookup"}
+MAIN_OF_MODE = {"chain": "head", "tree": "head", "hybrid": "hybrid", "lookup": "lookup", "plain": "plain"}
 
 
 def legacy_settings(k: int | None = None, temperatures=None, baseline: bool = True, ngram: bool = True,
@@ -263,6 +264,7 @@ def evaluate(target, head, prompts, settings: EvalSettings | None = None, *, sam
         "threads": torch.get_num_threads(),
     }
     batches = _batches(items, s.batch_size)
+    scorer = TeacherForced(target)  # float32 log-probs at T = 0 divergences (its copy made on first use)
     try:
         if "plain" in methods and len(methods) > 1:  # warm-up (allocator, kernels), not timed
             warm = [items[0]["ids"]]
@@ -294,7 +296,7 @@ def evaluate(target, head, prompts, settings: EvalSettings | None = None, *, sam
                         gaps.update({it["index"]: gg for it, gg in zip(batch, g)})
                 cat_stats["num_prompts"] += len(batch)
                 run["done_prompts"] += len(batch)
-                _fill_run(run, totals, per_cat, outputs, gaps, items, target.dtype, main)
+                _fill_run(run, totals, per_cat, outputs, gaps, items, scorer, main)
                 if s.progress:
                     print(f"  T={T:g}: {run['done_prompts']}/{len(items)} prompts, " + ", ".join(
                         f"{n} tau={(run['methods'].get(n) or {}).get('tau') or 0:.2f}" for n in methods if n != "plain"),
@@ -370,6 +372,8 @@ def _summary(totals: dict, main: str) -> dict:
     methods = {name: _method_summary(st, plain) for name, st in totals.items()
                if name != "plain" and not isinstance(st, (int, PlainStats))}
     s: dict = dict(methods.get(main, {}))
+    if main == "plain" and plain is not None:  # plain decoding chosen: one token per forward, by definition
+        s.update(tau=1.0, tokens_per_s=plain.tokens_per_s, speedup=1.0)
     if plain is not None:
         s.update(baseline_tokens_per_s=plain.tokens_per_s, plain_ms_per_step=1e3 * plain.total_s / max(plain.steps, 1))
     else:
@@ -380,22 +384,23 @@ def _summary(totals: dict, main: str) -> dict:
     return s
 
 
-def _fill_run(run, totals, per_cat, outputs, gaps, items, dtype, main) -> None:
+def _fill_run(run, totals, per_cat, outputs, gaps, items, scorer, main) -> None:
     run.update(_summary(totals, main))
     run["per_category"] = {cat: {"num_prompts": st["num_prompts"], **_summary(st, main)} for cat, st in per_cat.items()}
     if run["temperature"] == 0.0 and "plain" in outputs:
         done = [it for it in items if it["index"] in outputs["plain"]]
         ref = [outputs["plain"][it["index"]] for it in done]
-        g = [gaps.get(it["index"], []) for it in done]
         pids = [it["id"] for it in done]
         for name in outputs:
             if name == "plain":
                 continue
-            cmp = compare_greedy([outputs[name][it["index"]] for it in done], ref, g, dtype, pids)
+            cmp = compare_greedy([outputs[name][it["index"]] for it in done], ref, [it["ids"] for it in done],
+                                 scorer, pids)
             prefix = "greedy" if name == main else ("ngram_greedy" if name == "lookup" else f"{name}_greedy")
             run[f"{prefix}_mismatches"] = cmp["mismatches"]
             run[f"{prefix}_near_ties"] = cmp["near_ties"]
             run[f"{prefix}_divergences"] = cmp["divergences"]
+            run[f"{prefix}_max_gap"], run[f"{prefix}_tie_gap"] = cmp["max_gap"], cmp["tolerance"]
             run["methods"][name]["greedy_mismatches"] = cmp["mismatches"]
             run["methods"][name]["greedy_near_ties"] = cmp["near_ties"]
     else:

@@ -1,0 +1,160 @@
+"""Does the cost model say what it will deliver? Calibrate `--draft auto` on some prompts, then
+measure, on OTHER prompts, the shape it chose and three others (the best lookup alone, the best
+head tree without lookup, a big hybrid), each interleaved with plain decoding prompt by prompt,
+and set the predicted speedup (and tau) beside the measured one, per temperature.
+
+    python benchmarks/cost_model_accuracy.py --head runs/quick/head \
+        --prompts benchmarks/results/specbench_dev60.jsonl --calibration 8 --measure 12 \
+        --max-new-tokens 64 --temperatures 0 1 --dtype bfloat16
+
+Prints a table and writes benchmarks/results/cost_model_accuracy.json (atomically). Run it alone
+on the machine (../shared/bin/one-at-a-time): timings taken beside another job mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftkit.heads.base import load_head
+from draftkit.inference.calibrate import calibration_prompts
+from draftkit.inference.cost import Candidate, auto_draft, predict, trace_prompt
+from draftkit.inference.decoder import SpecDecoder, plain_generate, stop_token_ids
+from draftkit.inference.evaluate import _prepare, read_prompt_file
+from draftkit.inference.report import _atomic_write
+from draftkit.inference.sampling import SamplingParams
+from draftkit.target import load_target
+
+
+def others(rows: list[dict], chosen: Candidate | None) -> list[Candidate]:
+    """The chosen shape (or the best when plain was chosen) and three of other kinds."""
+    first = chosen or rows[0]["candidate"]
+    picks = [first]
+    kinds = [lambda c: c.topk == 0,  # lookup alone
+             lambda c: c.topk and not c.lookup_len,  # the head's tree alone
+             lambda c: c.topk >= 4 and c.depth >= 3 and c.budget >= 16 and c.lookup_len]  # a big hybrid
+    for kind in kinds:
+        c = next((r["candidate"] for r in rows if kind(r["candidate"]) and r["candidate"] not in picks), None)
+        if c is not None:
+            picks.append(c)
+    return picks
+
+
+def measure(target, head, shapes: list[Candidate], prompts, max_new: int, params: SamplingParams, seed: int):
+    """tokens/s and tau of plain decoding and every shape on `prompts`, interleaved prompt by prompt."""
+    stop = stop_token_ids(target)
+    decs = {}
+    for c in shapes:
+        drafter, kw = c.settings(_base()).decoder_args(head)
+        decs[c] = SpecDecoder(target, drafter, stop_ids=stop, **kw)
+    names = ["plain", *shapes]
+    for d in decs.values():  # warm-up, untimed
+        d.generate([prompts[0]], 4, SamplingParams(), [0])
+    plain_generate(target, [prompts[0]], 4)
+    tot = {n: [0.0, 0, 0, 0] for n in names}  # seconds, new tokens, emitted, row steps
+    for i, p in enumerate(prompts):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for n in order:
+            if n == "plain":
+                _, st, _ = plain_generate(target, [p], max_new, params, [seed + i], stop)
+                tot[n][0] += st.total_s
+                tot[n][1] += st.new_tokens
+            else:
+                _, st = decs[n].generate([p], max_new, params, [seed + i])
+                tot[n][0] += st.total_s
+                tot[n][1] += st.new_tokens
+                tot[n][2] += st.emitted
+                tot[n][3] += st.row_steps
+        print(f"  measured {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+    plain_tps = tot["plain"][1] / tot["plain"][0]
+    return {c: {"speedup": (tot[c][1] / tot[c][0]) / plain_tps, "tau": tot[c][2] / max(tot[c][3], 1),
+                "tokens_per_s": tot[c][1] / tot[c][0]} for c in shapes}, plain_tps
+
+
+def _base():
+    from draftkit.inference.drafters import DraftSettings
+    return DraftSettings()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head", required=True)
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--prompts", default="benchmarks/results/specbench_dev60.jsonl")
+    ap.add_argument("--calibration", type=int, default=8, help="calibration prompts (spread over the file)")
+    ap.add_argument("--measure", type=int, default=12, help="measured prompts, none of the calibration's")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--budget", type=float, default=None, help="calibration budget per temperature, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-own-traces", dest="own_traces", action="store_false",
+                    help="skip predicting from the measured prompts' own traces (the model's error alone)")
+    ap.add_argument("--out", default="benchmarks/results/cost_model_accuracy.json")
+    args = ap.parse_args(argv)
+
+    target = load_target(args.target, dtype=args.dtype, device="cpu")
+    head = load_head(Path(args.head), target).to(dtype=target.dtype).eval()
+    items, _ = _prepare(target, read_prompt_file(args.prompts), 16, args.max_new_tokens)
+    calib = calibration_prompts(items, args.calibration)
+    held = calibration_prompts(items, args.measure, skip={tuple(p) for p in calib})  # balanced, disjoint
+    result = {"head": args.head, "prompts": args.prompts, "calibration_prompts": len(calib),
+              "measured_prompts": len(held), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+              "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "cpu_flags": _cpu_flags(), "runs": []}
+    lines = []
+    for T in args.temperatures:
+        t0 = time.perf_counter()
+        chosen, cal = auto_draft(target, head, calib, temperatures=(T,), max_new_tokens=args.max_new_tokens,
+                                 budget_s=args.budget, seed=args.seed, progress=True)
+        cal_s = time.perf_counter() - t0
+        print(f"T={T:g}: chose {chosen.describe()} ({chosen.chosen_by})", file=sys.stderr, flush=True)
+        shapes = others(cal.rows, cal.choice)
+        pred = {r["candidate"]: r["by_temperature"][f"{T:g}"] for r in cal.rows if r["candidate"] in shapes}
+        got, plain_tps = measure(target, head, shapes, held, args.max_new_tokens, SamplingParams(T), args.seed + 1000)
+        # the same costs on the measured prompts' own traces: the model's error without the calibration
+        # prompts' sampling error (how far 8 prompts' tau is from 12 others')
+        depth = max(c.depth for r in cal.rows for c in [r["candidate"]])
+        own = [trace_prompt(target, head, p, args.max_new_tokens, SamplingParams(T), args.seed + 1000 + i,
+                            (1, 2, 4, 8), depth) for i, p in enumerate(held)] if args.own_traces else None
+        run = {"temperature": T, "calibration_s": round(cal_s, 1), "chosen": chosen.describe(),
+               "plain_chosen": cal.choice is None, "warnings": cal.warnings, "plain_tokens_per_s": plain_tps,
+               "costs": chosen.measured.get("costs"), "shapes": []}
+        for c in shapes:
+            p, m = pred[c], got[c]
+            err = p["speedup"] / m["speedup"] - 1
+            o = predict(own, cal.costs[T], c) if own else None
+            run["shapes"].append({"shape": c.label(), "chosen": c == cal.choice, "predicted_speedup": p["speedup"],
+                                  "measured_speedup": m["speedup"], "error": err, "predicted_tau": p["tau"],
+                                  "measured_tau": m["tau"], "within_10pct": abs(err) <= 0.10,
+                                  "own_traces": o and {"tau": o["tau"], "speedup": o["speedup"],
+                                                       "error": o["speedup"] / m["speedup"] - 1}})
+            own_cells = f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%) |" \
+                if o else " - |"
+            lines.append(f"| {T:g} | {c.label()}{' *' if c == cal.choice else ''} | {p['tau']:.2f} | {m['tau']:.2f} | "
+                         f"{p['speedup']:.2f}x | {m['speedup']:.2f}x | {100 * err:+.1f}% |{own_cells}")
+        result["runs"].append(run)
+        _atomic_write(Path(args.out), json.dumps(result, indent=2, default=str))
+    print("| T | shape (* = auto's choice) | tau predicted | tau measured | speedup predicted | measured | error | "
+          "on the measured prompts' own traces: tau / speedup (error) |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(lines))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

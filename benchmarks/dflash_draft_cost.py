@@ -1,0 +1,67 @@
+"""Draft milliseconds per verify step of a DFlash block vs an EAGLE-3 chain, k = 1..7, in the real loop.
+
+    python benchmarks/dflash_draft_cost.py --out benchmarks/results/dflash_draft_cost.json
+
+Both heads are built fresh (untrained) from the `head:` sections of recipes/dflash.yaml and
+recipes/eagle3.yaml on the embedded target in bf16: drafting cost does not depend on the weights.
+For each k, each head decodes the same prompts with SpecDecoder (chain of k, T = 0), interleaved
+head by head; reported: draft_ms_per_step (head.draft, consuming the confirmed positions included)
+and verify_ms_per_step. EAGLE-3 pays one head forward per drafted token, DFlash one per block.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from draftkit.config import load_recipe
+from draftkit.heads import build_head
+from draftkit.inference.decoder import SpecDecoder
+from draftkit.target import load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = ("Summarize the following passage in three sentences. The history of the printing press begins "
+          "with movable type in East Asia and continues with Gutenberg's press in Mainz around 1450, which "
+          "made books cheaper, spread literacy and changed how science and religion were argued.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4, 7])
+    ap.add_argument("--prompts", type=int, default=4, help="copies of the prompt, decoded one by one")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    target = load_target(None, dtype="bfloat16")
+    heads = {}
+    for name in ("eagle3", "dflash"):
+        head = build_head(dict(load_recipe(ROOT / "recipes" / f"{name}.yaml").head), target)
+        head.set_draft_vocab(tokens=torch.arange(target.vocab_size))  # any 8k tokens: cost only
+        heads[name] = head.to(torch.bfloat16).eval()
+    ids = target.tokenizer(PROMPT)["input_ids"]
+    rows = []
+    for k in a.ks:
+        for name, head in heads.items():
+            dec = SpecDecoder(target, head, k=k, stop_ids=[])
+            dec.generate([ids], 4)  # warm-up
+            steps = draft = verify = 0.0
+            for _ in range(a.prompts):
+                _, st = dec.generate([ids], a.max_new_tokens)
+                steps, draft, verify = steps + st.steps, draft + st.draft_s, verify + st.verify_s
+            rows.append({"head": name, "k": k, "draft_ms_per_step": 1e3 * draft / steps,
+                         "verify_ms_per_step": 1e3 * verify / steps, "steps": int(steps)})
+            print(f"{name:7s} k={k}  draft {rows[-1]['draft_ms_per_step']:6.1f} ms/step  "
+                  f"verify {rows[-1]['verify_ms_per_step']:6.1f} ms/step", flush=True)
+    report = {"rows": rows, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+              "prompt_tokens": len(ids), "note": "untrained heads: cost only, acceptance not measured"}
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Heads served by vLLM (CPU) beside vLLM plain, vLLM's ngram and draftkit's loop under vLLM's rule.
+
+    python benchmarks/engine_vllm.py --heads runs/quick/head [--limit 12] [--max-new-tokens 64]
+        [--dtypes float32 bfloat16] [--temperatures 0 1] [--batch-sizes 1 4 16] [--k 3]
+
+Embedded target (SmolLM2-135M), Spec-Bench dev prompts (benchmarks/results/specbench_dev60.jsonl),
+every method in one run per dtype: plain and ngram once, then each head (a native head, exported
+here, or a vLLM export). Prints a table and writes JSON to benchmarks/results/engine_vllm.json
+(--out). vLLM comes from scripts/setup_vllm.sh (draftkit/engines/vllm.py: find_python).
+Exit 1 when our loop and the engine disagree beyond the tolerance (engines/vllm.py: compare).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return platform.processor()
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+
+
+def main() -> int:
+    from draftkit.engines.vllm import find_python
+    from draftkit.engines.vllm_eval import EngineEvalSettings, engine_eval, format_report
+    from draftkit.inference.evaluate import encode, read_prompt_file
+    from draftkit.target import load_target
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", nargs="+", required=True, help="native heads or vLLM exports")
+    ap.add_argument("--prompts", default=str(ROOT / "benchmarks/results/specbench_dev60.jsonl"))
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine_vllm.json")
+    args = ap.parse_args()
+    python = find_python()
+    prompts = read_prompt_file(args.prompts)[: args.limit]
+    result = {"cpu_flags": cpu_flags(), "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
+    ok = True
+    for dtype in args.dtypes:
+        target = load_target(None, dtype=dtype)
+        ids = [i for i in (encode(target.tokenizer, p) for p in prompts) if i]
+        base = EngineEvalSettings(k=args.k, temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
+                                  batch_sizes=tuple(args.batch_sizes), dtype=dtype, python=python)
+        for n, head in enumerate(args.heads):  # plain and ngram with the first head's run only
+            s = replace(base, methods=("plain", "ngram", "head") if n == 0 else ("head",))
+            report = engine_eval(target, head, ids, s)
+            for runs in report["engine"].values():
+                for r in runs.values():
+                    if isinstance(r, dict):
+                        r.pop("outputs", None)
+            report.update(dtype=dtype, head=head, prompts=len(ids))
+            print(f"\n== {head} ({dtype}, {len(ids)} prompts, {args.max_new_tokens} new tokens, CPU {cpu_flags()})")
+            print(format_report(report))
+            result["runs"].append(report)
+            ok &= report["ok"] or dtype != "float32"  # bf16: differences reported, not failures
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""`draftkit eval --engine vllm`: the head served by vLLM, vLLM's own figures beside vLLM plain, vLLM's
+ngram and draftkit's loop under vLLM's drafting rule, on the same prompts and sampling.
+
+    report = engine_eval(target, head_dir, prompt_ids, EngineEvalSettings(k=3, temperatures=(0.0,)))
+
+The head directory is a native head (exported here to vLLM's layout; an EAGLE-1 head with a draft
+vocabulary is exported drafting over the full vocabulary, as vLLM's llama_eagle.py does, and the
+report says so) or a vLLM export. Either way draftkit's loop runs the head vLLM serves: the export
+imported back. Per temperature and position the report sets our alpha_i beside the engine's, with
+the difference and its tolerance (engines/vllm.py: compare); `failures` lists every one outside.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import json
+import logging
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from draftkit.engines.vllm import (EngineRequest, EngineRun, Sampling, compare, engine_figures, loop_figures, serve,
+                                   speculative_config)
+
+log = logging.getLogger(__name__)
+METHODS = ("plain", "ngram", "head")
+
+
+@dataclass
+class EngineEvalSettings:
+    k: int = 3  # num_speculative_tokens (Medusa: its number of heads)
+    temperatures: tuple[float, ...] = (0.0,)
+    max_new_tokens: int = 128
+    batch_sizes: tuple[int, ...] = (1,)  # one run per (temperature, batch size): "T=0 B=4"
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    methods: tuple[str, ...] = METHODS
+    ngram: tuple[int, int] = (1, 3)  # vLLM ngram's prompt_lookup_min, _max
+    ignore_eos: bool = False  # False: stop at the target's stop ids, in vLLM as in our loop
+    python: str | None = None  # the Python with vLLM (engines/vllm.py: find_python)
+    model_dir: str | None = None  # the target's safetensors directory vLLM loads (default: the export's verifier)
+    loop: bool = True  # also run draftkit's loop under the engine rule and compare
+    work_dir: str | None = None  # where the export goes (default: a temp dir)
+    timeout_s: float | None = None
+    inspect_drafter: bool = False  # also report where vLLM's drafter took every parameter from
+
+
+def loop_decoder(target, head, k: int, stop_ids: list[int]):
+    """draftkit's chain of k under vLLM's rule: greedy drafts (draft_sampling="greedy", where the
+    loop has it; at T = 0 every rule drafts the argmax), standard rejection sampling."""
+    from draftkit.inference.decoder import SpecDecoder
+
+    kw = {"draft_sampling": "greedy"} if "draft_sampling" in inspect.signature(SpecDecoder).parameters else {}
+    dec = SpecDecoder(target, head, k=k, stop_ids=stop_ids, **kw)
+    dec.engine_rule = bool(kw)  # False: this loop samples its drafts; only T = 0 is the engine's rule
+    return dec
+
+
+def prepare_export(head_dir: Path, target, work: Path) -> tuple[Path, dict, list[str]]:
+    """(vLLM export dir, its contract, notes): head_dir itself when it is a vLLM export, else exported."""
+    from draftkit.export import export_head
+    from draftkit.export.files import find_contract, read_dir
+
+    cfg, _ = read_dir(head_dir)
+    contract = find_contract(head_dir, cfg) or {}
+    notes = []
+    if contract.get("format") == "vllm":
+        return head_dir, contract, notes
+    if contract.get("format") not in (None, "draftkit") and "family" not in cfg:
+        raise ValueError(f"{head_dir}: a {contract.get('format')} export; pass the native head or a vLLM export")
+    out = export_head(head_dir, "vllm", work / "vllm-export", target=target, overwrite=True, full_vocab=True)
+    contract = json.loads((out / "config.json").read_text())["draftkit_contract"]
+    if contract.get("draft_vocab"):
+        notes.append(f"draft vocabulary {contract['draft_vocab']}: vLLM's llama_eagle.py has no d2t, so the "
+                     "export (and our loop, which runs the export) drafts over the full vocabulary")
+    return out, contract, notes
+
+
+def served_head(export: Path, target, work: Path):
+    """The head vLLM serves, as a draftkit head: the export imported back (bit-identical, test_export.py)."""
+    from draftkit.export import import_head
+    from draftkit.heads import load_head
+
+    native = import_head(export, "vllm", work / "served-native", target=target, overwrite=True)
+    return load_head(native, target).to(dtype=target.dtype).eval()
+
+
+def run_name(t: float, b: int) -> str:
+    return f"T={t:g} B={b}"
+
+
+def _runs(s: EngineEvalSettings, stop_ids: list[int]) -> list[EngineRun]:
+    return [EngineRun(run_name(t, b), Sampling(temperature=t, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                                               max_tokens=s.max_new_tokens, ignore_eos=s.ignore_eos,
+                                               stop_token_ids=[] if s.ignore_eos else stop_ids), b)
+            for t in s.temperatures for b in s.batch_sizes]
+
+
+def run_loop(target, head, prompts: list[list[int]], s: EngineEvalSettings, k: int, stop_ids: list[int]) -> dict:
+    """Our chain under the engine rule, batch by batch, per (temperature, batch size): outputs, SpecStats."""
+    from draftkit.inference.sampling import SamplingParams
+
+    dec = loop_decoder(target, head, k, [] if s.ignore_eos else list(stop_ids))
+    out = {}
+    for t, B in ((t, b) for t in s.temperatures for b in s.batch_sizes):
+        params = SamplingParams(temperature=t, top_k=s.top_k, top_p=s.top_p)
+        outputs, total = [], None
+        for i in range(0, len(prompts), B):
+            chunk = prompts[i:i + B]
+            o, st = dec.generate(chunk, s.max_new_tokens, params, seeds=[s.seed + i + j for j in range(len(chunk))])
+            outputs += o
+            total = st if total is None else total.__iadd__(st)
+        out[run_name(t, B)] = {"outputs": outputs, "stats": total, "engine_rule": dec.engine_rule or t == 0}
+    return out
+
+
+def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: EngineEvalSettings) -> dict:
+    """Serve plain / ngram / the head in vLLM and compare with our loop (see the module doc)."""
+    from draftkit.inference.decoder import stop_token_ids
+
+    work = Path(s.work_dir or tempfile.mkdtemp(prefix="draftkit-engine-eval-"))
+    export, contract, notes = prepare_export(Path(head_dir), target, work)
+    family = contract["family"]
+    k = contract["head"].get("num_heads", s.k) if family == "medusa" else s.k
+    model_dir = s.model_dir or (contract.get("verifier") or {}).get("name_or_path")
+    if not model_dir or not Path(model_dir).is_dir():
+        raise ValueError(f"the export names no local verifier directory ({model_dir!r}); pass model_dir")
+    stop_ids = stop_token_ids(target)
+    runs = _runs(s, stop_ids)
+    engine = {}
+    for method in s.methods:
+        spec = speculative_config(family if method == "head" else method, k, export, ngram=s.ngram)
+        inspect_it = s.inspect_drafter and method == "head"
+        req = EngineRequest(model_dir, prompts, runs, spec, dtype=s.dtype, seed=s.seed, inspect_drafter=inspect_it,
+                            drafter_files=[str(f) for f in sorted(export.glob("*.safetensors"))] if inspect_it else [])
+        log.info("vLLM: serving %s", spec or "plain")
+        engine[method] = serve(req, python=s.python, timeout=s.timeout_s)
+    report = {"family": family, "k": k, "export": str(export), "model_dir": model_dir, "notes": notes,
+              "settings": asdict(s), "vllm_version": next(iter(engine.values()))["vllm_version"] if engine else None,
+              "engine": {}, "loop": {}, "comparison": {}, "failures": []}
+    for m, res in engine.items():
+        report["engine"][m] = {r["name"]: _engine_run(r, k if m != "plain" else 0) for r in res["runs"]}
+        report["engine"][m]["load_seconds"] = res["load_seconds"]
+        if res.get("drafter"):
+            report["drafter"] = res["drafter"]
+    if s.loop and "head" in s.methods:
+        _compare_loop(report, served_head(export, target, work), target, prompts, s, k, stop_ids, engine)
+    report["ok"] = not report["failures"]
+    return report
+
+
+def _engine_run(r: dict, k: int) -> dict:
+    f = engine_figures(r["counters"], k) if k else {}
+    return {"tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"], "new_tokens": r["new_tokens"],
+            "counters": r["counters"], **f, "outputs": r["outputs"]}
+
+
+def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine) -> None:
+    loop = run_loop(target, head, prompts, s, k, stop_ids)
+    for name, res in loop.items():
+        ours = loop_figures(res["stats"])
+        report["loop"][name] = {**ours, "tokens_per_s": res["stats"].tokens_per_s, "engine_rule": res["engine_rule"]}
+        eng = report["engine"]["head"][name]
+        greedy = name.startswith("T=0 ")
+        if not res["engine_rule"]:
+            report["comparison"][name] = {"skipped": "this loop samples its drafts (no draft_sampling='greedy')"}
+            continue
+        c = compare(ours, eng, greedy_fp32=greedy and s.dtype == "float32")
+        if greedy:
+            plain = report["engine"].get("plain", {}).get(name, {}).get("outputs")
+            c["outputs"] = {"engine_head_equals_engine_plain": None if plain is None else eng["outputs"] == plain,
+                            "loop_equals_engine_head": res["outputs"] == eng["outputs"]}
+            if plain is not None and eng["outputs"] != plain:
+                c["failures"].append("T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens")
+        report["comparison"][name] = c
+        report["failures"] += [f"{name}: {f}" for f in c["failures"]]
+
+
+def format_report(report: dict) -> str:
+    """A table: per method and temperature vLLM's tokens/s, tau and alpha_i; then ours vs engine's."""
+    lines = [f"vLLM {report['vllm_version']} serving {report['family']} (k={report['k']}) from {report['export']}"]
+    lines += [f"note: {n}" for n in report["notes"]]
+    lines.append(f"{'method':<10} {'run':<8} {'tok/s':>8} {'tau':>6}  alpha per position")
+    for m, runs in report["engine"].items():
+        for name, r in runs.items():
+            if not isinstance(r, dict) or "tokens_per_s" not in r:
+                continue
+            alpha = " ".join(f"{a:.3f}" if a is not None else "-" for a in r.get("alpha", []))
+            tau = f"{r['tau']:.3f}" if r.get("tau") else "-"
+            lines.append(f"{'vllm ' + m:<10} {name:<8} {r['tokens_per_s']:>8.1f} {tau:>6}  {alpha}")
+    for name, r in report["loop"].items():
+        alpha = " ".join(f"{a:.3f}" if a is not None else "-" for a in r["alpha"])
+        lines.append(f"{'ours':<10} {name:<8} {r['tokens_per_s']:>8.1f} {r['tau']:>6.3f}  {alpha}  (engine rule)")
+    for name, c in report["comparison"].items():
+        if "skipped" in c:
+            lines.append(f"{name}: comparison skipped: {c['skipped']}")
+            continue
+        for row in c["positions"]:
+            d = f"{row['diff']:+.4f}" if row["diff"] is not None else "-"
+            tol = f"{row['tolerance']:.4f}" if row["tolerance"] is not None else "-"
+            lines.append(f"{name} alpha_{row['position']}: ours {row['ours']}, engine {row['engine']}, diff {d}, "
+                         f"tolerance {tol}: {'ok' if row['ok'] else 'OUTSIDE'}")
+        t = c["tau"]
+        lines.append(f"{name} tau: ours {t['ours']:.4f}, engine {t['engine']:.4f}, tolerance {t['tolerance']:.4f}: "
+                     f"{'ok' if t['ok'] else 'OUTSIDE'}")
+    lines.append("OK: the engine's acceptance agrees with draftkit's loop" if report["ok"]
+                 else "FAIL: " + "; ".join(report["failures"]))
+    return "\n".join(lines)
+
+
+# ---- `draftkit eval --engine vllm` ------------------------------------------------------------------
+
+def add_arguments(p) -> None:
+    """The flags `draftkit eval` adds for the engine (the rest are eval's own)."""
+    p.add_argument("--engine", default="draftkit", choices=["draftkit", "vllm"],
+                   help="vllm: serve the head (a native head, exported here, or a vLLM export) in vLLM and report "
+                        "vLLM's own tau / acceptance per position / tokens/s beside vLLM plain, vLLM's ngram and "
+                        "draftkit's loop under vLLM's rule (a chain of --k, greedy drafts); exit 1 when ours and "
+                        "the engine's differ beyond the tolerance")
+    p.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="the Python with vLLM (default: $DRAFTKIT_VLLM_PYTHON, this one, or "
+                        "$DRAFTKIT_CACHE/vllm-venv from scripts/setup_vllm.sh)")
+
+
+def run_cli(args) -> int:
+    """`draftkit eval --engine vllm`: same prompts, --limit and sampling flags as eval."""
+    from draftkit.engines.vllm import EngineError, EngineUnavailable, find_python
+    from draftkit.export import ExportError
+    from draftkit.heads.base import HeadError
+    from draftkit.inference.evaluate import encode, read_prompt_file, synthesize_prompts
+    from draftkit.inference.report import _atomic_write
+    from draftkit.target import TargetError, load_target
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if not args.head:
+            raise ValueError("--engine vllm serves a head: pass --head DIR (a native head or a vLLM export)")
+        python = find_python(args.vllm_python)
+        target = load_target(args.target, dtype=args.dtype)
+        prompts = [p for f in args.prompts or [] for p in read_prompt_file(f)]
+        if not args.prompts:
+            prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
+        ids = [i for i in (encode(target.tokenizer, p) for p in prompts[: args.limit]) if i]
+        methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram), ("head", False)) if not off)
+        s = EngineEvalSettings(k=args.k or 3, temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens,
+                               batch_sizes=(args.batch_size,), top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                               dtype=args.dtype, methods=methods, ngram=(1, args.ngram_n), python=python)
+        report = engine_eval(target, _head_dir(args.head), ids, s)
+    except (EngineUnavailable, EngineError, ExportError, HeadError, TargetError, ValueError) as e:
+        print(f"draftkit eval: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "engine_vllm.json", json.dumps(report, indent=2, default=str))
+    print(format_report(report))
+    print(f"wrote {out / 'engine_vllm.json'}")
+    return 0 if report["ok"] else 1
+
+
+def _head_dir(path: str) -> Path:
+    d = Path(path)
+    return d / "head" if (d / "head" / "config.json").is_file() and not (d / "config.json").is_file() else d

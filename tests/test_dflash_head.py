@@ -1,0 +1,386 @@
+"""DFlash (heads/dflash.py): the training mask, the block loss by hand, the training forward equal
+to drafting, lossless T = 0 / T > 0 in the real loop, save / load, training decreasing the loss."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftkit.heads import HeadError, build_head, load_head
+from draftkit.heads.dflash import zflash_layer_ids
+from draftkit.inference.decoder import SpecDecoder, SpecError, plain_generate
+from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.sampling import SamplingParams, logits_to_probs
+from draftkit.inference.tree import TreeShape
+from tests.conftest import LOOP_PROMPTS, batch, fit, fit_on_greedy_continuations, greedy, make_arch_target, make_tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+B = 4  # block size of the tests: 3 drafts per block
+
+
+def head_for(target, **kw):
+    """A random head whose norms are not all ones (so every weight matters)."""
+    head = build_head({"type": "dflash", "block_size": B, "feature_layers": [1, 3], "num_anchors": 1000, **kw}, target)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_arch_target("llama")  # init std 0.2: peaked, varied distributions
+
+
+def feats_of(target, head, seed=1, T=12):
+    ids, attn, lm = batch(target, T=T, seed=seed)
+    return target.features(ids, attn, head.feature_layers, lm, top1=True)
+
+
+def test_default_layers_and_mask_embedding():
+    assert zflash_layer_ids(30, 2) == [1, 27] and zflash_layer_ids(30, 1) == [15]
+    assert zflash_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # z-lab's Qwen3-8B drafts
+    t = make_tiny_target(layers=8)
+    head = build_head({"type": "dflash"}, t)
+    assert head.feature_layers == (2, 6)  # output ids 1, 5 -> the residual stream entering 2, 6
+    assert head.config.mask_token_id == t.vocab_size - 1 and head.max_draft_tokens == 7
+    torch.testing.assert_close(head.mask_embedding.data, t.embed_tokens.weight[-1], rtol=0, atol=0)
+    assert head.fc.weight.shape == (t.hidden_size, 2 * t.hidden_size)
+
+
+def test_block_sees_only_the_context_before_its_anchor_and_no_other_block(target):
+    """Every block of one training forward: changing a target feature at s >= a, or any token after
+    x_a, leaves block a's outputs exactly as they were; a feature before a, or x_a, changes them."""
+    head = head_for(target)
+    f = feats_of(target, head)
+    anchors = torch.arange(1, 11).expand(3, -1)  # every block start of a 12-token row at once
+    base = head.block_outputs(f, anchors)  # (3, 10, B, H)
+
+    def changed(field, pos):
+        g = type(f)(**vars(f))
+        x = getattr(g, field).clone()
+        x[:, pos] = x[:, pos] + 1.0 if x.is_floating_point() else (x[:, pos] + 7) % target.vocab_size
+        setattr(g, field, x)
+        out = head.block_outputs(g, anchors)
+        return (out - base).abs().amax(dim=(0, 2, 3)) > 0  # (10,) which blocks moved
+
+    for pos in (3, 6, 9):
+        blocks = anchors[0]
+        assert torch.equal(changed("hidden", pos), blocks > pos)  # feature at pos: only blocks after it
+        assert torch.equal(changed("input_ids", pos), blocks == pos)  # x_pos: only the block it starts
+
+
+def test_training_forward_equals_drafting(target):
+    """Block a of the training forward == the draft after consuming features 0..a-1 (pending x_a),
+    in ragged rows; the logits of its k drafts equal lm_head over the training outputs."""
+    head = head_for(target)
+    f = feats_of(target, head, T=10)
+    anchors = torch.arange(1, 9).expand(3, -1)
+    train = head.vocab_logits(head.block_outputs(f, anchors))  # (3, 8, B, V)
+    for a in (1, 4, 8):
+        seen = []
+
+        def record(logits):
+            seen.append(logits)
+            return logits.argmax(-1), None
+
+        state = head.new_draft_state(3)
+        head.draft(state, f.hidden[:, :a], f.input_ids[:, 1:a + 1], torch.ones(3, a, dtype=torch.bool), B - 1, record)
+        real = f.attention_mask[:, a].bool()  # rows whose x_a is a real token (right padding)
+        assert real.sum() >= 2
+        for i in range(1, B):
+            torch.testing.assert_close(seen[i - 1][real], train[real, a - 1, i], rtol=1e-4, atol=1e-5)
+    # two calls with ragged validity (padding in the first) == one row alone, logits for logits
+    valid = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 5], dtype=torch.bool)
+    batched, single = [], []
+
+    def keep(into):
+        return lambda logits: (into.append(logits) or logits.argmax(-1), None)
+
+    state = head.new_draft_state(3)
+    head.draft(state, f.hidden[:, :5], f.input_ids[:, 1:6], valid, B - 1, keep([]))
+    head.draft(state, f.hidden[:, 5:7], f.input_ids[:, 6:8], torch.ones(3, 2, dtype=torch.bool), B - 1, keep(batched))
+    alone = head.new_draft_state(1)
+    head.draft(alone, f.hidden[1:2, :3], f.input_ids[1:2, 1:4], torch.ones(1, 3, dtype=torch.bool), B - 1, keep([]))
+    head.draft(alone, f.hidden[1:2, 5:7], f.input_ids[1:2, 6:8], torch.ones(1, 2, dtype=torch.bool), B - 1, keep(single))
+    for got, want in zip(batched, single):
+        torch.testing.assert_close(got[1:2], want, rtol=1e-4, atol=1e-5)
+
+
+def test_block_loss_equals_a_hand_computation(target):
+    """eval mode takes every anchor: loss = sum_{a,i} w_i KL(p_target(x_{a+i}) || p̂_{a,i}) / sum w,
+    w_i = exp(-(i-1)/gamma), over a >= 1 with x_{a+1} a loss token and x_{a+i} a real loss token;
+    p̂ from the drafting path one block at a time, p_target from the target's logits at a+i-1."""
+    gamma = 2.0
+    head = head_for(target, loss_decay_gamma=gamma)
+    ids, attn, lm = batch(target, T=9, seed=4)
+    f = target.features(ids, attn, head.feature_layers, lm)
+    got = head.loss(f)
+    with torch.no_grad():
+        p_target = torch.log_softmax(target.lm_head(f.final_hidden).float(), -1)  # (3, T, V)
+    num = den = hits = firsts = 0.0
+    for n in range(3):
+        T = int(attn[n].sum())
+        for a in range(1, T - 1):
+            if not lm[n, a + 1]:
+                continue
+            seen = []
+            state = head.new_draft_state(1)
+            head.draft(state, f.hidden[n:n + 1, :a], ids[n:n + 1, 1:a + 1], torch.ones(1, a, dtype=torch.bool),
+                       B - 1, lambda logits: (seen.append(logits) or logits.argmax(-1), None))
+            for i in range(1, B):
+                if a + i >= T or not lm[n, a + i]:
+                    continue
+                logq = torch.log_softmax(seen[i - 1][0], -1)
+                kl = (p_target[n, a + i - 1].exp() * (p_target[n, a + i - 1] - logq)).sum()
+                w = math.exp(-(i - 1) / gamma)
+                num, den = num + w * kl, den + w
+                if i == 1:
+                    firsts += 1
+                    hits += float(logq.argmax() == p_target[n, a].argmax())
+    torch.testing.assert_close(got["loss"], torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-6)
+    assert got["tokens"].item() == firsts and got["acc"].item() == pytest.approx(hits / firsts)
+
+
+def test_training_anchors_follow_the_rules(target):
+    head = head_for(target, num_anchors=3).train()
+    ids, attn, lm = batch(target, B=3, T=16, seed=2)
+    f = target.features(ids, attn, head.feature_layers, lm)
+    draws = set()
+    for _ in range(5):
+        a, keep = head.anchors(f)
+        assert a.shape == (3, 3) and keep.all()
+        assert (a >= 1).all() and attn.gather(1, a).bool().all() and lm.gather(1, a + 1).bool().all()
+        draws.add(tuple(a.flatten().tolist()))
+    assert len(draws) > 1  # random starts each step (SpecForge's sampling), not a fixed set
+
+
+def test_greedy_loop_is_lossless_and_a_fitted_head_accepts(tiny_target):
+    ref, _, _ = plain_generate(tiny_target, LOOP_PROMPTS, max_new_tokens=16)
+    head = build_head({"type": "dflash", "block_size": B, "feature_layers": [1, 3], "num_anchors": 100}, tiny_target)
+    out, _ = SpecDecoder(tiny_target, head, k=3).generate(LOOP_PROMPTS, max_new_tokens=16)
+    assert out == ref  # a random head: lossless anyway
+    head = build_head({"type": "dflash", "block_size": B, "feature_layers": [1, 3], "num_anchors": 100}, tiny_target)
+    assert fit_on_greedy_continuations(tiny_target, head, steps=40) == ref
+    out, stats = SpecDecoder(tiny_target, head.eval(), k=3).generate(LOOP_PROMPTS, max_new_tokens=16)
+    assert out == ref and stats.tau > 1.5
+    for k in (1, 2):
+        assert SpecDecoder(tiny_target, head, k=k).generate(LOOP_PROMPTS, max_new_tokens=16)[0] == ref
+    # a tree over the block's per-position top-k, alone and with the lookup branch (HybridDrafter)
+    for settings in (DraftSettings(mode="tree", topk=2, depth=3, budget=6),
+                     DraftSettings(mode="hybrid", topk=2, depth=3, budget=6, lookup_len=3)):
+        drafter, kw = settings.decoder_args(head)
+        out, stats = SpecDecoder(tiny_target, drafter, **kw).generate(LOOP_PROMPTS, max_new_tokens=16)
+        assert out == ref and stats.tau > 1.5, settings.mode
+
+
+def _chi2(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
+    """Pearson's chi-square of counts against law p over cells expecting >= 5 (the rest pooled),
+    and a threshold ~5 standard deviations above its mean under p (df + 5 sqrt(2 df))."""
+    n = counts.sum()
+    big = p * n >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([p[big] * n, (p[~big] * n).sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    df = obs.numel() - 1
+    return float(((obs - exp) ** 2 / exp).sum()), df + 5 * math.sqrt(2 * df)
+
+
+@pytest.mark.parametrize("tree", [None, TreeShape(2, 2, 4)])
+def test_sampling_follows_the_target_distribution(tree):
+    """T > 0, tiny vocabulary: tokens 2 and 3 (both decided by the first verify step, from the
+    block's q_1, q_2 as a chain, or its top-2 tree) follow the target's joint law; a slightly
+    different law is noticed."""
+    V = 8
+    target = make_arch_target("llama", vocab=V, seed=3)
+    head = head_for(target, feature_layers=[2]).train()
+    ids, attn, lm = batch(target, B=8, T=16, seed=5)
+    fit(head, target.features(ids, attn, head.feature_layers, lm), steps=30, lr=1e-2)  # q_1, q_2 then differ
+    params, prompt, n = SamplingParams(temperature=1.0), [3, 5, 1, 6], 12000
+    dec = SpecDecoder(target, head, 2, stop_ids=[]) if tree is None else SpecDecoder(target, head, tree=tree, stop_ids=[])
+    out, stats = dec.generate([prompt] * n, 3, params, seeds=list(range(n)))
+    assert 1.1 < stats.tau < 2.9  # drafts are accepted and rejected: both paths run
+    toks = torch.tensor(out)  # (n, 3)
+    with torch.no_grad():
+        p1 = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1], params)
+        grid = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # (V*V, 2) every (t1, t2)
+        ctx = torch.cat([torch.tensor(prompt).expand(V * V, -1), grid], 1)
+        probs = logits_to_probs(target.model(ctx).logits, params)  # (V*V, L+2, V)
+    p2 = probs[::V, -2]  # (V, V) p(t2 | t1)
+    p3 = probs[:, -1].view(V, V, V)  # p(t3 | t1, t2)
+    law = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()  # (V*V,) of (t2, t3)
+    counts = torch.bincount(toks[:, 1] * V + toks[:, 2], minlength=V * V).float()
+    stat, limit = _chi2(counts, law)
+    assert stat < limit, (stat, limit)
+    stat1, limit1 = _chi2(torch.bincount(toks[:, 0], minlength=V).float(), p1)
+    assert stat1 < limit1, (stat1, limit1)
+    wrong = 0.9 * law + 0.1 * law.roll(1)  # the same statistic sees a law 10% off
+    assert _chi2(counts, wrong)[0] > limit
+
+
+def test_save_load_roundtrip_and_loss_decreases(tiny_target, tmp_path):
+    head = head_for(tiny_target).train()
+    ids, attn, lm = batch(tiny_target, T=16)
+    f = tiny_target.features(ids, attn, head.feature_layers, lm)
+    losses, out = fit(head, f, steps=15, lr=5e-3)
+    assert losses[-1] < 0.5 * losses[0]
+    assert {"acc", "acc_1", "acc_3", "kl", "tokens"} <= set(out)
+    head.save_pretrained(tmp_path / "h")
+    again = load_head(tmp_path / "h", tiny_target)
+    assert list(again.state_dict()) == list(head.state_dict()) and "mask_embedding" in again.state_dict()
+    for (n1, a), (n2, b) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b), n1
+    head.eval(), again.eval()
+    torch.testing.assert_close(again.loss(f)["loss"], head.loss(f)["loss"], rtol=0, atol=0)
+
+
+def test_draft_vocabulary_and_topk_teacher(tiny_target):
+    head = head_for(tiny_target, draft_vocab_size=40)
+    ids, attn, lm = batch(tiny_target, T=16)
+    head.set_draft_vocab(tokens=ids)
+    f = tiny_target.features(ids, attn, head.feature_layers, lm, topk=8)
+    assert torch.isfinite(head.loss(f)["loss"])
+    state = head.new_draft_state(3)
+    probs_seen = []
+
+    def softmax_sample(logits):
+        p = logits.softmax(-1)
+        probs_seen.append(p)
+        return p.argmax(-1), p
+
+    tok, probs = head.draft(state, f.hidden[:, :5], ids[:, 1:6], torch.ones(3, 5, dtype=torch.bool), 3, softmax_sample)
+    assert head.t2d[tok].all() and (probs[:, :, ~head.t2d] == 0).all()
+
+
+def test_bad_input(tiny_target):
+    with pytest.raises(HeadError, match="head.block_size: must be >= 2"):
+        build_head({"type": "dflash", "block_size": 1, "feature_layers": [1]}, tiny_target)
+    with pytest.raises(HeadError, match="head.feature_layers: DFlash fuses at least one"):
+        build_head({"type": "dflash", "feature_layers": []}, tiny_target)
+    with pytest.raises(HeadError, match="head.mask_token_id: 500"):
+        build_head({"type": "dflash", "feature_layers": [1], "mask_token_id": 500}, tiny_target)
+    head = head_for(tiny_target)
+    with pytest.raises(SpecError, match="max_draft_tokens=3"):
+        SpecDecoder(tiny_target, head, k=4)
+    with pytest.raises(SpecError, match="tree depth 4 is deeper"):
+        SpecDecoder(tiny_target, head, tree=TreeShape(2, 4, 8))
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_vllm_export_loads_in_vllms_dflash_model(tiny_target, tmp_path, draft_vocab):
+    """vLLM's own DFlashQwen3ForCausalLM + load_weights (its venv, a subprocess) over our export:
+    every parameter set from the file except the shared embed_tokens (and lm_head over the full
+    vocabulary), each equal to the native tensor (q/k/v and gate/up stacked), the mask embedding
+    from mask_embedding.pt, the aux layers vLLM captures = ours, non-causal layers."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from draftkit.export import export_head
+    from draftkit.target import cache_root
+
+    venv = Path(os.environ.get("DRAFTKIT_VLLM_VENV", cache_root() / "vllm-venv"))
+    if not (venv / "bin" / "python").exists():
+        if os.environ.get("DRAFTKIT_CHECK_VLLM") == "1":
+            pytest.fail(f"no vLLM venv at {venv} (DRAFTKIT_CHECK_VLLM=1)")
+        pytest.skip(f"no vLLM venv at {venv}: scripts/setup.sh builds it; DRAFTKIT_VLLM_VENV points elsewhere")
+    head = head_for(tiny_target, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        head.set_draft_vocab(tokens=batch(tiny_target, B=8, T=16)[0])
+    tiny_target.model.save_pretrained(tmp_path / "target")
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "vllm", target=tiny_target)
+    r = subprocess.run([venv / "bin" / "python", Path(__file__).with_name("vllm_dflash_load.py"), tmp_path / "target",
+                        out, str(29500 + os.getpid() % 400)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    shared = ["model.embed_tokens.weight"] + ([] if draft_vocab else ["lm_head.weight"])
+    assert got["unset"] == sorted(shared) and got["has_own_lm_head"] == bool(draft_vocab)
+    assert got["separate_mask_embedding"] and got["mask_token_id"] == head.config.mask_token_id
+    assert got["aux_layers"] == list(head.feature_layers) and got["causal"] == [False, False]
+    s = {k: v.detach() for k, v in head.state_dict().items()}
+    want = {"model.fc.weight": s["fc.weight"], "model.hidden_norm.weight": s["hidden_norm.weight"],
+            "model.norm.weight": s["norm.weight"], "model.mask_embedding": s["mask_embedding"]}
+    for i in range(2):
+        p = f"layers.{i}."
+        want[f"model.{p}self_attn.qkv_proj.weight"] = torch.cat([s[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"])
+        want[f"model.{p}mlp.gate_up_proj.weight"] = torch.cat([s[f"{p}mlp.gate_proj.weight"], s[f"{p}mlp.up_proj.weight"]])
+        for name in ("self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.down_proj",
+                     "input_layernorm", "post_attention_layernorm"):
+            want[f"model.{p}{name}.weight"] = s[f"{p}{name}.weight"]
+    if draft_vocab:
+        want["draft_id_to_target_id"] = s["d2t"]
+        want["lm_head.weight"] = tiny_target.lm_head.weight.detach()[head.draft_ids]
+    assert set(got["params"]) == set(want)
+    for name, t in want.items():  # vLLM pads lm_head's rows to a multiple of 64 (ParallelLMHead)
+        assert got["params"][name][:t.numel()] == t.flatten().tolist(), name
+        assert not any(got["params"][name][t.numel():]), name
+
+
+def test_tree_children_come_from_their_depths_position(target):
+    """A width-1 tree is the greedy chain; at width 2 the depth-d nodes are position d's top-2."""
+    head = head_for(target)
+    f = feats_of(target, head)
+    ones = torch.ones(3, 6, dtype=torch.bool)
+    chain, _ = head.draft(head.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], ones, 3, greedy)
+    tree = head.draft_tree(head.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], ones, TreeShape(1, 3, 3))
+    assert torch.equal(tree.tokens, chain) and tree.depth.tolist() == [[1, 2, 3]] * 3
+    seen = []
+    head.draft(head.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], ones, 3,
+               lambda logits: (seen.append(logits) or logits.argmax(-1), None))
+    wide = head.draft_tree(head.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], ones, TreeShape(2, 3, 14))
+    for b in range(3):
+        for d in (1, 2, 3):
+            nodes = wide.tokens[b][wide.depth[b] == d]
+            assert set(nodes.tolist()) <= set(seen[d - 1][b].topk(2).indices.tolist()), (b, d)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_vllm_export_imports_back_and_reads_a_published_layout(tiny_target, tmp_path, draft_vocab):
+    """export -> import gives the same tensors and fields; a z-lab-style directory (no contract, no
+    mask_embedding) imports with the target's embedding row of mask_token_id as the mask vector."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from draftkit.export import ExportError, export_head, import_head
+
+    head = head_for(tiny_target, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        head.set_draft_vocab(tokens=batch(tiny_target, B=8, T=16)[0])
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "vllm", target=tiny_target)
+    back = load_head(import_head(out, "vllm", tmp_path / "back", target=tiny_target), tiny_target)
+    for name, t in head.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    for field in ("feature_layers", "block_size", "num_layers", "mask_token_id", "draft_vocab_size", "loss_decay_gamma"):
+        assert getattr(back.config, field) == getattr(head.config, field), field
+    # a published draft: config without our contract, weights without mask_embedding or mask_embedding.pt
+    pub = tmp_path / "published"
+    pub.mkdir()
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("draftkit_contract"), cfg.pop("draftkit_mask_embedding_in_weights")
+    (pub / "config.json").write_text(json.dumps(cfg))
+    state = load_file(out / "model.safetensors")
+    state.pop("mask_embedding")
+    save_file(state, pub / "model.safetensors")
+    with pytest.raises(ExportError, match="pass --target"):
+        import_head(pub, "vllm", tmp_path / "p0")
+    imported = load_head(import_head(pub, "vllm", tmp_path / "p1", target=tiny_target), tiny_target)
+    assert imported.feature_layers == head.feature_layers and imported.config.block_size == B
+    want = tiny_target.embed_tokens.weight[head.config.mask_token_id]
+    assert torch.equal(imported.mask_embedding.data, want.detach())
+    assert torch.equal(imported.fc.weight, head.fc.weight)
+
+
+def test_draft_auto_measures_a_dflash_head_within_its_block(tiny_target):
+    """`draftkit eval --draft auto` (inference/cost.py) measures trees no deeper than the block."""
+    from draftkit.inference.cost import auto_draft
+
+    head = head_for(tiny_target)
+    chosen, report = auto_draft(tiny_target, head, LOOP_PROMPTS[:2], topks=(1, 2), max_budget=8, max_lookup=4,
+                                max_new_tokens=8)
+    assert 1 <= chosen.depth <= B - 1 and chosen.mode in ("chain", "tree", "hybrid", "lookup")
