@@ -106,13 +106,26 @@ class GenerationSettings:
     # cores, benchmarks/results/generation_throughput_recipe.json): the recipes set it. Not part of
     # the cache key.
     scheduler: Literal["batch", "refill"] = "batch"
+    # Who generates: "hf" = the target's transformers model in this process (scheduler above);
+    # "vllm" = vLLM in its own environment (draftkit/engines/vllm_data.py: $DRAFTKIT_VLLM_PYTHON or
+    # $DRAFTKIT_CACHE/vllm-venv, scripts/setup_vllm.sh), fed the same chat-template token ids,
+    # temperature, top_p and max_new_tokens, prompt i (its index in the prompt list) seeded with
+    # seed + i; rank r's vLLM serves rank r's share, finished chunks are cached as they come (a rerun
+    # skips them). Part of the cache key (with the target's dtype): engines never mix silently.
+    engine: Literal["hf", "vllm"] = "hf"
+    # engine vllm: keyword arguments added to vllm.LLM(...) on every rank, e.g. {tensor_parallel_size: 8,
+    # gpu_memory_utilization: 0.9, max_num_seqs: 256} on a GPU node (one rank per node then; see the
+    # README's "several GPUs, several nodes"). How fast, not what: not part of the cache key.
+    vllm: dict = field(default_factory=dict)
 
-    def fingerprint(self, target_id: str) -> str:
-        """Everything that decides a response, except the prompt. batch_size, mode and scheduler are left out."""
+    def fingerprint(self, target_id: str, dtype: str | None = None) -> str:
+        """Everything that decides a response, except the prompt: the target, the dtype it ran in
+        (bf16 and fp32 responses differ), the engine and the sampling. batch_size, mode, scheduler
+        and the vllm keywords are left out."""
         d = dataclasses.asdict(self)
-        for key in ("batch_size", "mode", "scheduler"):
+        for key in ("batch_size", "mode", "scheduler", "vllm"):
             d.pop(key)
-        return json.dumps({"target": target_id, **d}, sort_keys=True)
+        return json.dumps({"target": target_id, "dtype": dtype, **d}, sort_keys=True)
 
 
 # The tasks data.grounded.tasks names, as distill/grounded.py writes them: {passage} is the earlier

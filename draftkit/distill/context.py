@@ -41,6 +41,8 @@ class DataContext:
     barrier: Callable[[], None] | None = None
     # Progress bars (a run shows them on rank 0 only).
     progress: bool = True
+    # The target as a directory (or hub id) a serving engine loads: data.responses.engine vllm.
+    model_dir: str | None = None
 
     def __post_init__(self):
         self.cache_dir = Path(self.cache_dir)

@@ -55,8 +55,12 @@ def data_fingerprint(recipe, target, num_samples: int) -> str:
     for key in ("cache_dir", "prepared_dir"):
         d.pop(key, None)
     d["responses"].pop("batch_size")
+    d["responses"].pop("vllm")  # how fast (tensor parallel, memory), not what
+    # The dtype the target answers in: bf16 and fp32 responses differ (the target fingerprint rounds to
+    # bf16 on purpose, so it does not tell them apart; the response cache's key carries it too).
+    payload_dtype = str(getattr(target, "dtype", None)).removeprefix("torch.")
     payload = {"data": d, "target": f"{target.name}:{target.fingerprint}", "seed": recipe.train.seed,
-               "num_samples": num_samples, "sources": [_stamp(s.path) for s in recipe.data.sources],
+               "num_samples": num_samples, "dtype": payload_dtype, "sources": [_stamp(s.path) for s in recipe.data.sources],
                "chat_template": getattr(target.tokenizer, "chat_template", None)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -136,7 +140,20 @@ def data_context(recipe, target, dist):
                        f"{target.name}:{target.fingerprint}", data=d,
                        fmt=resolve_format(d.format, target.tokenizer, target.name),  # chat, or text (completion)
                        seed=recipe.train.seed, rank=dist.rank, world_size=dist.world_size, barrier=barrier,
-                       progress=dist.is_main)
+                       progress=dist.is_main,
+                       model_dir=engine_model_dir(recipe.target) if d.responses.engine == "vllm" else None)
+
+
+def engine_model_dir(t) -> str:
+    """The target as a serving engine loads it: its directory (or hub id), a GGUF dequantized once
+    into safetensors (target.gguf_model_dir), the embedded model's directory when target.path is unset."""
+    from draftkit.target import embedded_model_dir, gguf_model_dir
+
+    if not t.path:
+        return str(embedded_model_dir())
+    if t.gguf_file or str(t.path).endswith(".gguf"):
+        return str(gguf_model_dir(Path(t.path) / t.gguf_file if t.gguf_file else Path(t.path)))
+    return str(t.path)
 
 
 def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:

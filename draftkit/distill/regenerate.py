@@ -61,11 +61,14 @@ def regenerate(ctx: DataContext, prompts: list[Prompt], settings: GenerationSett
     With ctx.world_size > 1 rank r generates the uncached prompts i with i % world_size == r, then
     waits in ctx.barrier() and every rank reads all results from the shared ctx.cache_dir.
     """
-    cache = _cache_dir(ctx.cache_dir, settings, ctx.target_id)
-    keys = [response_key(p, settings, ctx.target_id, ctx.fmt) for p in prompts]
+    dtype = model_dtype(ctx.model)
+    cache = _cache_dir(ctx.cache_dir, settings, ctx.target_id, dtype)
+    keys = [response_key(p, settings, ctx.target_id, ctx.fmt, dtype) for p in prompts]
     done = read_cached(cache)
     todo = [i for i, k in enumerate(keys) if k not in done and i % ctx.world_size == ctx.rank]
-    if todo:
+    if todo and settings.engine == "vllm":
+        _vllm_into_cache(ctx, [prompts[i] for i in todo], [keys[i] for i in todo], todo, settings, cache, dtype)
+    elif todo:
         _generate_into_cache(ctx.model, ctx.tokenizer, [prompts[i] for i in todo], [keys[i] for i in todo],
                              settings, cache, progress=ctx.progress and ctx.rank == 0, fmt=ctx.fmt)
     ctx.wait_for_ranks("regenerate")
@@ -103,8 +106,17 @@ def kept_replies(tokenizer, prompts: list[Prompt]) -> list[Conversation]:
             for p in kept]
 
 
-def response_key(prompt: Prompt, settings: GenerationSettings, target_id: str, fmt: str = "chat") -> str:
-    payload = {"messages": prompt.messages, "settings": settings.fingerprint(target_id)}
+def model_dtype(model) -> str | None:
+    """"float32", "bfloat16", ... of the model that answers (None without one): part of the cache key."""
+    p = next(model.parameters(), None) if model is not None else None
+    return None if p is None else str(p.dtype).removeprefix("torch.")
+
+
+def response_key(prompt: Prompt, settings: GenerationSettings, target_id: str, fmt: str = "chat",
+                 dtype: str | None = None) -> str:
+    """sha256 of the prompt and everything that decides its response (settings.fingerprint: the
+    target, its dtype, the engine, the sampling)."""
+    payload = {"messages": prompt.messages, "settings": settings.fingerprint(target_id, dtype)}
     if fmt != "chat":  # the same prompt as raw text is another input (chat keys stay as they were)
         payload["format"] = fmt
     payload = json.dumps(payload, sort_keys=True)
@@ -121,15 +133,14 @@ def read_cached(cache: Path) -> dict[str, dict]:
     return out
 
 
-def _cache_dir(cache_dir: Path, settings: GenerationSettings, target_id: str) -> Path:
-    tag = hashlib.sha256(settings.fingerprint(target_id).encode()).hexdigest()[:16]
+def _cache_dir(cache_dir: Path, settings: GenerationSettings, target_id: str, dtype: str | None = None) -> Path:
+    tag = hashlib.sha256(settings.fingerprint(target_id, dtype).encode()).hexdigest()[:16]
     return Path(cache_dir) / f"responses-{tag}"
 
 
 def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path, progress: bool, fmt: str = "chat"):
     cache.mkdir(parents=True, exist_ok=True)
-    ids = [completion_ids(tokenizer, p.messages) if fmt == "text" else
-           chat_ids(tokenizer, p.messages, add_generation_prompt=True) for p in prompts]
+    ids = prompt_ids(tokenizer, prompts, fmt)
     order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))  # similar lengths: less padding
     bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not progress)
     n_tokens, t0 = 0, time.perf_counter()
@@ -141,6 +152,40 @@ def _generate_into_cache(model, tokenizer, prompts, keys, settings, cache: Path,
         n_tokens += sum(o["num_tokens"] for _, o in done)
         bar.update(len(done))
         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+
+
+def prompt_ids(tokenizer, prompts: list[Prompt], fmt: str = "chat") -> list[list[int]]:
+    """The token ids the target continues: the chat template with its generation prompt, or (fmt
+    "text") the raw text. Both engines are fed these."""
+    return [completion_ids(tokenizer, p.messages) if fmt == "text" else
+            chat_ids(tokenizer, p.messages, add_generation_prompt=True) for p in prompts]
+
+
+def _vllm_into_cache(ctx: DataContext, prompts, keys, positions: list[int], settings, cache: Path, dtype: str):
+    """engine vllm: this rank's prompts answered by vLLM (vLLM serves the whole share, continuous
+    batching), each finished chunk of batch_size cached at once. Prompt positions[j] (its index in
+    the prompt list, the same on every rank and rerun) samples with seed + positions[j]."""
+    from draftkit.engines.vllm_data import DataSampling, generate_responses
+
+    from .refill import _result
+
+    if not ctx.model_dir:
+        raise ValueError("data.responses.engine: vllm needs the target as a model directory vLLM loads "
+                         "(target.path: a safetensors directory, a GGUF or a hub id); this run has none")
+    cache.mkdir(parents=True, exist_ok=True)
+    stops = stop_token_ids(ctx.model, ctx.tokenizer)
+    sampling = DataSampling(settings.temperature, settings.top_p, settings.max_new_tokens, list(stops))
+    chunks = generate_responses(ctx.model_dir, dtype, prompt_ids(ctx.tokenizer, prompts, ctx.fmt),
+                                [settings.seed + i for i in positions], sampling, chunk_size=settings.batch_size,
+                                llm_kwargs=settings.vllm)
+    bar = tqdm(total=len(prompts), desc="regenerate (vllm)", unit="prompt", disable=not (ctx.progress and ctx.rank == 0))
+    for n, (idx, outputs) in enumerate(chunks, start=1):
+        _write_atomic(cache, [{"key": keys[j], "id": prompts[j].id, **_result(ctx.tokenizer, out, set(stops))}
+                              for j, out in zip(idx, outputs)])
+        if os.environ.get(FAULT_KILL) == str(n):  # the kill-and-rerun tests
+            os.kill(os.getpid(), signal.SIGKILL)
+        bar.update(len(idx))
     bar.close()
 
 

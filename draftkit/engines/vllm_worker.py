@@ -145,8 +145,54 @@ def inspect_drafter(llm, files: list[str]) -> dict:
     return llm.collective_rpc(read)[0]
 
 
+# ---- request kind "responses": data generation (draftkit/engines/vllm_data.py) ------------------
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def generate_responses(req: dict, result_path: str) -> int:
+    """kind "responses": {model, dtype, llm_kwargs, max_model_len, max_num_seqs, seed, prompts: [[id]],
+    seeds: [int] (one per prompt), sampling: {temperature, top_p, max_tokens, stop_token_ids},
+    chunk_size, out_dir}. Prompts go to vLLM chunk_size at a time; each finished chunk is written
+    at once, atomically, as out_dir/chunk-NNNNN.json {indices, outputs: [[token id]]} (the parent
+    caches it while this runs). Stops when the parent process is gone."""
+    import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    parent, s = os.getppid(), req["sampling"]
+    t0 = time.perf_counter()
+    llm = LLM(model=req["model"], dtype=req["dtype"], skip_tokenizer_init=True, max_model_len=req["max_model_len"],
+              max_num_seqs=req["max_num_seqs"], seed=req.get("seed", 0),
+              **{"enforce_eager": True, **req.get("llm_kwargs", {})})
+    load, t1, new = time.perf_counter() - t0, time.perf_counter(), 0
+    prompts, C = req["prompts"], req["chunk_size"]
+    for n, start in enumerate(range(0, len(prompts), C)):
+        if os.getppid() != parent:
+            return 3
+        idx = list(range(start, min(start + C, len(prompts))))
+        params = [SamplingParams(temperature=s["temperature"], top_p=s["top_p"], top_k=0, seed=req["seeds"][i],
+                                 max_tokens=s["max_tokens"], stop_token_ids=s["stop_token_ids"] or None,
+                                 detokenize=False) for i in idx]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], params, use_tqdm=False)
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+        new += sum(map(len, outputs))
+        write_json_atomic(os.path.join(req["out_dir"], f"chunk-{n:05d}.json"), {"indices": idx, "outputs": outputs})
+    wall = time.perf_counter() - t1
+    write_json_atomic(result_path, {"vllm_version": vllm.__version__, "load_seconds": load, "wall_s": wall,
+                                    "new_tokens": new, "tokens_per_s": new / wall if wall else 0.0})
+    return 0
+
+
 def main(request_path: str, result_path: str) -> int:
     req = json.loads(open(request_path).read())
+    if req.get("kind") == "responses":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_cache_gib", 2)))
+        return generate_responses(req, result_path)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_cache_gib", 2)))
     import vllm
