@@ -381,6 +381,7 @@ def test_draft_auto_measures_a_dflash_head_within_its_block(tiny_target):
     from draftkit.inference.cost import auto_draft
 
     head = head_for(tiny_target)
-    chosen, report = auto_draft(tiny_target, head, LOOP_PROMPTS[:2], topks=(1, 2), max_budget=8, max_lookup=4,
-                                max_new_tokens=8)
-    assert 1 <= chosen.depth <= B - 1 and chosen.mode in ("chain", "tree", "hybrid", "lookup")
+    chosen, calib = auto_draft(tiny_target, head, LOOP_PROMPTS[:2], topks=(1, 2), max_depth=8, max_new_tokens=8,
+                               rounds=1)
+    assert 1 <= chosen.depth <= B - 1 and chosen.mode in ("plain", "chain", "tree", "hybrid", "lookup")
+    assert calib.rows and max(r["candidate"].depth for r in calib.rows) == B - 1  # asked 8, measured to the block
