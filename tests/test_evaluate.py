@@ -410,24 +410,25 @@ def test_cli_draft_auto_never_writes_into_the_head(saved, head_without_draft, tm
                 "--compare", "plain", "--dtype", "float32", "--out", str(tmp_path / "a")]
         assert cli(args) == 0
         err = capsys.readouterr().err
-        assert "measuring verify/draft cost" in err and "verify ms by width" in err
+        assert "draft auto: " in err and "measured: " in err  # calibration ran and said what it chose
         record = json.loads((tmp_path / "a" / "draft.json").read_text())
         draft = record["draft"]
-        assert draft["chosen_by"].startswith("measured") and draft["measured"]["verify_ms"]
+        assert draft["chosen_by"].startswith("measured") and draft["measured"]["costs"]["0"]["verify_ms"]
         assert record["head_dir"] == str(head_dir.resolve()) and record["dtype"] == "float32"
         assert "not the shape a serving engine should use" in record["about"]
         rep = json.loads((tmp_path / "a" / "report.json").read_text())
-        assert rep["draft"] == draft and rep["greedy_mismatches"] == 0
-        assert rep["draft_source"].startswith("measured now")
+        assert rep["draft"] == draft and rep["draft_source"].startswith("measured now")
+        if draft["mode"] != "plain":  # an untrained head may be measured not to pay: then plain decoding runs alone
+            assert rep["greedy_mismatches"] == 0
         # the same --out: the choice is reused from its draft.json, nothing measured
         assert cli(args) == 0
-        assert "measuring" not in capsys.readouterr().err
+        assert "draft auto: " not in capsys.readouterr().err  # nothing measured
         rep = json.loads((tmp_path / "a" / "report.json").read_text())
         assert rep["draft"] == draft and rep["draft_source"] == str(tmp_path / "a" / "draft.json")
         # another --out reuses it when told where (an eval directory, or its report.json)
         for source in (tmp_path / "a", tmp_path / "a" / "report.json"):
             assert cli(args[:-1] + [str(tmp_path / "c"), "--draft-from", str(source)]) == 0
-            assert "measuring" not in capsys.readouterr().err
+            assert "draft auto: " not in capsys.readouterr().err  # nothing measured
             assert json.loads((tmp_path / "c" / "report.json").read_text())["draft"] == draft
         assert cli(args[:-1] + [str(tmp_path / "d"), "--draft-from", str(tmp_path / "nowhere")]) == 2
         assert "--draft-from" in capsys.readouterr().err
@@ -441,7 +442,7 @@ def test_cli_draft_auto_never_writes_into_the_head(saved, head_without_draft, tm
     assert json.loads((head_dir / "config.json").read_text())["draft"] == draft
     assert not [p for p in head_dir.iterdir() if p.name.startswith(".")]  # the temporary file is gone
     assert cli(args[:-1] + [str(tmp_path / "g")]) == 0  # a fresh --out: the head's saved choice
-    assert "measuring" not in capsys.readouterr().err
+    assert "draft auto: " not in capsys.readouterr().err  # nothing measured
     assert json.loads((tmp_path / "g" / "report.json").read_text())["draft_source"] == str(head_dir / "config.json")
 
 
