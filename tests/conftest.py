@@ -132,3 +132,19 @@ def make_arch_target(arch: str, vocab: int = 96, hidden: int = 32, layers: int =
             if name.endswith("bias") or "norm" in name:  # zeros / ones at init: make them count
                 p.add_(torch.randn_like(p) * 0.2)
     return Target(model.to(dtype), None, name=f"tiny-{arch}-{seed}")
+
+
+def vllm_python() -> str:
+    """The Python that runs vLLM for the engine tests: DRAFTKIT_CHECK_VLLM=0 leaves them out (skip),
+    =1 (scripts/test.sh, CI) makes a missing vLLM a failure, unset skips with the reason."""
+    from draftkit.engines import vllm as ev
+
+    want = os.environ.get("DRAFTKIT_CHECK_VLLM")
+    if want == "0":
+        pytest.skip("DRAFTKIT_CHECK_VLLM=0: vLLM engine tests left out")
+    try:
+        return ev.find_python()
+    except ev.EngineUnavailable as e:
+        if want == "1":
+            pytest.fail(f"DRAFTKIT_CHECK_VLLM=1 but {e}")
+        pytest.skip(str(e))

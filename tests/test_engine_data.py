@@ -10,7 +10,6 @@ fails, =0 leaves them out, unset: they run when a vLLM is found. ~1 min (two eng
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from draftkit.distill.shards import read_manifest
 from draftkit.distill.sources import Prompt
 from draftkit.train.distributed import Dist
 from tests.test_train import FIXTURES, ROOT, prompt_file, recipe_args, tiny_model_dir  # noqa: F401
+from tests.conftest import vllm_python
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ONE = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -73,18 +73,6 @@ def test_each_rank_vllm_gets_its_own_gpus():
 
 # ---- the real engine -------------------------------------------------------------------------------
 
-def vllm_python() -> str:
-    from draftkit.engines import vllm as ev
-
-    want = os.environ.get("DRAFTKIT_CHECK_VLLM")
-    if want == "0":
-        pytest.skip("DRAFTKIT_CHECK_VLLM=0: vLLM engine tests left out")
-    try:
-        return ev.find_python()
-    except ev.EngineUnavailable as e:
-        if want == "1":
-            pytest.fail(f"DRAFTKIT_CHECK_VLLM=1 but {e}")
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ unset: they run when a vLLM is found.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from draftkit.engines.vllm_eval import EngineEvalSettings, engine_eval, loop_dec
 from draftkit.export import export_head
 from draftkit.export import layout as layouts
 from draftkit.heads import build_head
-from tests.conftest import fit
+from tests.conftest import fit, vllm_python
 
 N_NEW, K, BATCH = 24, 3, 4
 HEADS = {"eagle": {"type": "eagle"}, "eagle3": {"type": "eagle3", "feature_layers": [1, 2, 3], "draft_vocab_size": 128},
@@ -37,16 +35,6 @@ FROM_TARGET = {"eagle": {"model.embed_tokens.weight"}, "eagle3": {"model.embed_t
 FILE_UNUSED = {"eagle3": {"t2d"}}  # llama_eagle3.py skips t2d; d2t becomes the draft_id_to_target_id buffer
 
 
-def vllm_python() -> str:
-    want = os.environ.get("DRAFTKIT_CHECK_VLLM")
-    if want == "0":
-        pytest.skip("DRAFTKIT_CHECK_VLLM=0: vLLM engine tests left out")
-    try:
-        return ev.find_python()
-    except ev.EngineUnavailable as e:
-        if want == "1":
-            pytest.fail(f"DRAFTKIT_CHECK_VLLM=1 but {e}")
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
