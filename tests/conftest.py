@@ -134,6 +134,31 @@ def make_arch_target(arch: str, vocab: int = 96, hidden: int = 32, layers: int =
     return Target(model.to(dtype), None, name=f"tiny-{arch}-{seed}")
 
 
+def save_vllm_llama(directory, vocab_size: int = 256, tokenizer=None, eos_token_id: int = 2, pad_token_id: int = 2,
+                    bos_token_id: int = 1):
+    """A tiny llama vLLM's CPU attention runs (MHA, head_dim 64), saved as an HF directory (with
+    `tokenizer` when given), as a Target named by that directory: the verifier its exports name.
+    Init std 0.2 and norms drawn at random, so greedy output varies (not one token repeated)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftkit.target import Target
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                      pad_token_id=pad_token_id, initializer_range=0.2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return Target(model, tokenizer, name=str(directory))
+
+
 def vllm_python() -> str:
     """The Python that runs vLLM for the engine tests: DRAFTKIT_CHECK_VLLM=0 leaves them out (skip),
     =1 (scripts/test.sh, CI) makes a missing vLLM a failure, unset skips with the reason."""

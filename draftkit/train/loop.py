@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from draftkit.config import Recipe
 from draftkit.distill.prepare import Prepared
+from draftkit.engines.vllm_train_eval import preflight_ranks
 from draftkit.heads import DraftHead, build_head
 from draftkit.heads.vocab import token_counts
 from draftkit.target import Target, load_target
@@ -128,6 +129,7 @@ class Trainer:
         seed_everything(recipe.train.seed)  # the head starts the same whichever way the target loaded
         self.head = build_head(recipe.head, self.target).to(self.dist.device)
         self.head.check_target_topk(recipe.train.target_topk)
+        self.engine_eval = preflight_ranks(recipe, self.target, self.head, self.out, self.main, self.dist.device)
         self.autocast = head_autocast(recipe.train, self.dist.device)
         self.recipe_hash = recipe.fingerprint()
         self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer is not None else 0
@@ -295,6 +297,14 @@ class Trainer:
         barrier()
         return out
 
+    def engine_eval_step(self, step: int) -> dict[str, float]:
+        """vLLM's tau and acceptance of the head as it is now (train.engine_eval_every; rank 0 serves,
+        engines/vllm_train_eval.py), on the held-aside prompts; the other ranks wait at the barrier."""
+        head = self.eval_head()  # collective under ZeRO-3; None on the other ranks
+        out = self.engine_eval.measure(head, self.data.holdout_prompts, step) if self.main else {}
+        barrier()
+        return out
+
     def eval_head(self) -> DraftHead | None:
         """The head rank 0 evaluates: itself, or under ZeRO-3 a copy of its gathered weights."""
         if self.ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
@@ -322,7 +332,8 @@ class Trainer:
             stats = self.train_step(step)
             tok_last += stats.get("tokens", 0.0) * self.accum * self.dist.world_size
             done = step + 1
-            if done % r.log_every == 0 or done == r.max_steps:
+            engine_now = bool(r.engine_eval_every) and done % r.engine_eval_every == 0
+            if done % r.log_every == 0 or done == r.max_steps or engine_now:
                 stats = mean_across(stats, self.dist.device)
                 stats["lr"] = self.scheduler.get_last_lr()[0]
                 stats["tokens_per_s"] = tok_last / max(time.time() - t_last, 1e-9)
@@ -330,9 +341,11 @@ class Trainer:
                 stats.update(self.heldout_agreement())
                 if r.eval_every and done % r.eval_every == 0:
                     stats.update(self.speculative_eval())
+                if engine_now:
+                    stats.update(self.engine_eval_step(done))
                 logger.log(done, stats)
                 bar.set_postfix({k: f"{v:.3g}" for k, v in stats.items()
-                                 if k in ("loss", "acc", "heldout_acc", "tokens_per_s", "tau")})
+                                 if k in ("loss", "acc", "heldout_acc", "tokens_per_s", "tau", "engine_tau")})
             bar.update(1)
             if (r.save_every and done % r.save_every == 0) or done == r.max_steps:
                 checkpoint.save(self.engine, self.out / "checkpoints", done,

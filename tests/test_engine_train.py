@@ -1,0 +1,113 @@
+"""train.engine_eval_every: the head as trained so far, served by vLLM during training, logged beside the loss.
+
+A tiny llama vLLM runs (tests/conftest.py: save_vllm_llama) with the fixture tokenizer is trained for
+6 steps with the engine's evaluation every 3; the figures logged at steps 3 and 6 must EQUAL draftkit's
+loop under vLLM's rule (fp32, T = 0, as tests/test_engine_vllm.py shows they do) run on the head of that
+very step (read back from the step's checkpoint) on the held-aside prompts. A hook that served a stale
+export or another step's head logs other counts (the two steps' heads accept differently: checked).
+Missing vLLM stops the run before any data is prepared, with one line and no traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftkit.engines import vllm as ev
+from draftkit.engines.vllm_eval import EngineEvalSettings, run_loop, run_name, served_head
+from draftkit.engines.vllm_train_eval import export_now, prompt_ids
+from tests.conftest import save_vllm_llama, vllm_python
+from tests.test_train import FIXTURES, prompt_file, python_run, recipe_args  # noqa: F401 (prompt_file: a fixture)
+
+K, N_NEW, EVERY, STEPS = 3, 16, 3, 6
+ENGINE_ARGS = [f"train.max_steps={STEPS}", f"train.engine_eval_every={EVERY}", f"train.save_every={EVERY}",
+               "train.keep_checkpoints=2", f"train.eval_k={K}", f"train.eval_max_new_tokens={N_NEW}",
+               "train.log_every=100", "train.lr=0.01", "data.holdout=4", "data.responses.engine=hf"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
+    out = tmp_path_factory.mktemp("vllm-target") / "target"
+    save_vllm_llama(out, vocab_size=len(tok), tokenizer=tok, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, prompt_file, tmp_path_factory):
+    """One training run with the engine's evaluation on: (run dir, cache dir, log records)."""
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("engine-train")
+    run, cache = root / "run", root / "cache"
+    res = python_run(recipe_args(target_dir, prompt_file, run, cache, *ENGINE_ARGS), timeout=900,
+                     env_extra={ev.PYTHON_ENV: python})
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    records = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    return run, cache, records
+
+
+def head_at(run: Path, step: int, target):
+    """The head as it was after `step` optimizer steps: the step's DeepSpeed checkpoint (stage 0:
+    mp_rank_00_model_states.pt, the TrainWrapper's state), in a head built from the run's config."""
+    from draftkit.heads import load_head
+
+    head = load_head(run / "head", target)
+    module = torch.load(run / "checkpoints" / f"step{step}" / "mp_rank_00_model_states.pt",
+                        map_location="cpu", weights_only=False)["module"]
+    head.load_state_dict({k.removeprefix("head."): v for k, v in module.items()})
+    return head.eval()
+
+
+def loop_under_engine_rule(head, target, prompts: list[list[int]], work: Path) -> dict:
+    """Our chain of K on the head vLLM serves (exported as the hook exports, imported back), T = 0, batch 1."""
+    from draftkit.inference.decoder import stop_token_ids
+
+    export, _ = export_now(head, target, work)
+    s = EngineEvalSettings(k=K, max_new_tokens=N_NEW, batch_sizes=(1,))
+    res = run_loop(target, served_head(export, target, work), prompts, s, K, stop_token_ids(target))
+    return ev.loop_figures(res[run_name(0.0, 1)]["stats"])
+
+
+@pytest.mark.integration
+def test_logged_engine_figures_are_that_steps_head_served(trained, target_dir, tmp_path):
+    from draftkit.distill.prepare import load_prepared
+    from draftkit.target import load_target
+
+    run, cache, records = trained
+    logged = {r["step"]: r for r in records if "engine_tau" in r}
+    assert sorted(logged) == [EVERY, 2 * EVERY] and not any("engine_error" in r for r in records), records
+    assert not list(run.glob(".engine-eval-*")), "temporary exports left in the run directory"
+    target = load_target(str(target_dir), dtype="float32")
+    holdout = load_prepared(next(cache.rglob("manifest.json")).parent).holdout_prompts
+    prompts = prompt_ids(target, holdout, K, N_NEW)
+    assert len(prompts) == 4
+    ours = {}
+    for step, rec in logged.items():
+        f = ours[step] = loop_under_engine_rule(head_at(run, step, target), target, prompts, tmp_path / str(step))
+        got = {"drafts": rec["engine_drafts"], "accepted_per_pos": [rec[f"engine_accepted_{i + 1}"] for i in range(K)]}
+        assert got == {"drafts": f["drafts"], "accepted_per_pos": f["accepted_per_pos"]}, (step, rec, f)
+        assert rec["engine_tau"] == pytest.approx(f["tau"], abs=1e-9)
+        for i, a in enumerate(f["alpha"]):
+            assert rec[f"engine_alpha_{i + 1}"] == pytest.approx(a or 0.0, abs=1e-9)
+        assert rec["loss"] > 0 and rec["engine_tokens_per_s"] > 0  # beside the loss, in the same record
+    # The check can see a stale export or another step's head: the two heads' counts differ, and accept.
+    assert ours[EVERY]["accepted_per_pos"] != ours[2 * EVERY]["accepted_per_pos"], ours
+    assert max(ours[2 * EVERY]["accepted_per_pos"][0], ours[EVERY]["accepted_per_pos"][0]) > 0, ours
+
+
+def test_missing_vllm_stops_before_any_data_with_one_line(target_dir, prompt_file, tmp_path):
+    """DRAFTKIT_VLLM_PYTHON names a Python without vLLM: the run stops before stage 1, one line, no traceback."""
+    cache = tmp_path / "cache"
+    res = python_run(recipe_args(target_dir, prompt_file, tmp_path / "run", cache, *ENGINE_ARGS), timeout=300,
+                     env_extra={ev.PYTHON_ENV: sys.executable})
+    assert res.returncode == 1, res.stderr[-3000:]
+    err = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "train.engine_eval_every=3: vLLM not found" in err[0] and "setup_vllm.sh" in err[0], err
+    assert not list(cache.rglob("manifest.json")) and not (tmp_path / "run" / "checkpoints").exists()
