@@ -262,8 +262,9 @@ class TrainConfig:
     # Serve the current head in vLLM every N steps (0 = off) on the same held-aside prompts, with
     # eval_k and eval_max_new_tokens, T = 0, in the target's dtype, and log vLLM's own figures beside
     # the loss: engine_tau, engine_alpha_<i>, engine_accepted_<i>, engine_drafts, engine_tokens_per_s
-    # (draftkit/engines/vllm_train_eval.py). Rank 0 serves, the other ranks wait. Checked before
-    # training: a Python with vLLM (scripts/setup_vllm.sh), a family and target vLLM serves.
+    # (draftkit/engines/vllm_train_eval.py), in a train_log.jsonl record at each of those steps. Rank 0
+    # serves, the other ranks wait. Checked before training: a Python with vLLM (scripts/setup_vllm.sh),
+    # a family and target vLLM serves, data.holdout >= 1.
     engine_eval_every: int = 0
     # "auto" continues the latest checkpoint in output_dir/checkpoints, "none" starts fresh,
     # or a path to a checkpoint directory.

@@ -111,3 +111,41 @@ def test_missing_vllm_stops_before_any_data_with_one_line(target_dir, prompt_fil
     assert len(err) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "train.engine_eval_every=3: vLLM not found" in err[0] and "setup_vllm.sh" in err[0], err
     assert not list(cache.rglob("manifest.json")) and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("setting, head, match", [
+    ("data.holdout=0", {"type": "eagle"}, r"train.engine_eval_every=2 serves the head on the held-aside prompts.*"
+                                           r"data.holdout is 0"),
+    ("data.holdout=2", {"type": "mtp"}, r"train.engine_eval_every=2: format 'vllm' cannot carry a 'mtp' head"),
+])
+def test_what_vllm_cannot_serve_is_refused_before_training(setting, head, match, tmp_path):
+    from draftkit.config import load_recipe
+    from draftkit.engines.vllm_train_eval import preflight
+    from draftkit.heads import build_head
+    from draftkit.schema import ConfigError
+    from tests.conftest import make_tiny_target
+
+    target = make_tiny_target()
+    recipe = load_recipe(None, ["train.engine_eval_every=2", setting])
+    with pytest.raises(ConfigError, match=match):
+        preflight(recipe, target, build_head(head, target), tmp_path / "run")
+    assert not list((tmp_path / "run").glob(".engine-eval-*"))  # the trial export is removed
+
+
+def test_engine_eval_serves_on_rank_0_and_the_others_wait(monkeypatch):
+    """Rank 0 exports and serves once; every rank (rank 0 after serving) waits at the barrier."""
+    from types import SimpleNamespace
+
+    from draftkit.train import loop
+
+    calls = []
+    monkeypatch.setattr(loop, "barrier", lambda: calls.append("barrier"))
+    engine = SimpleNamespace(measure=lambda head, prompts, step: calls.append(("measure", head, prompts, step))
+                             or {"engine_tau": 1.5})
+    head = torch.nn.Linear(2, 2)
+    for rank, want in ((1, {}), (0, {"engine_tau": 1.5})):
+        me = SimpleNamespace(engine_eval=engine, main=rank == 0, head=head, data=SimpleNamespace(holdout_prompts=["p"]),
+                             ds_config={"zero_optimization": {"stage": 2}})
+        me.eval_head = lambda me=me: loop.Trainer.eval_head(me)
+        assert loop.Trainer.engine_eval_step(me, 3) == want
+    assert calls == ["barrier", ("measure", head, ["p"], 3), "barrier"]

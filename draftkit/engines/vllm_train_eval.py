@@ -109,9 +109,9 @@ def prompt_ids(target, prompts, k: int, max_new_tokens: int) -> list[list[int]]:
 
 def preflight(recipe, target, head, run_dir: Path) -> EngineTrainEval:
     """Everything train.engine_eval_every needs, checked before training (ConfigError naming the
-    setting): vLLM found (engines/vllm.py: find_python), the family served (speculative_config), the
-    current head exported (every export refusal: Gemma targets, MTP, ...) and its verifier a local
-    directory vLLM can load."""
+    setting): held-aside prompts, the current head exported to vLLM's layout (every export refusal:
+    MTP, Gemma targets, ...), vLLM found (engines/vllm.py: find_python), the family served
+    (speculative_config) and the export's verifier a local directory vLLM can load."""
     from draftkit.export import ExportError
     from draftkit.inference.decoder import stop_token_ids
     from draftkit.schema import ConfigError
@@ -124,12 +124,12 @@ def preflight(recipe, target, head, run_dir: Path) -> EngineTrainEval:
                           f"{recipe.data.holdout}: set data.holdout >= 1")
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        python = find_python()
         work = Path(tempfile.mkdtemp(prefix=".engine-eval-check-", dir=run_dir))
         try:
             _, contract = export_now(head, target, work)  # ExportError: what vLLM's layout refuses
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        python = find_python()
         k = contract["head"]["num_heads"] if head.family == "medusa" else t.eval_k  # as vllm_eval
         speculative_config(head.family, k, run_dir)  # ValueError: a family vLLM does not serve
         probe = EngineTrainEval(python, head.family, k, str(target.dtype).replace("torch.", ""),

@@ -343,6 +343,7 @@ class Trainer:
                     stats.update(self.speculative_eval())
                 if engine_now:
                     stats.update(self.engine_eval_step(done))
+                    t_last = time.time()  # the engine's minute is not the next interval's training time
                 logger.log(done, stats)
                 bar.set_postfix({k: f"{v:.3g}" for k, v in stats.items()
                                  if k in ("loss", "acc", "heldout_acc", "tokens_per_s", "tau", "engine_tau")})
