@@ -40,22 +40,28 @@ def main() -> int:
     ap.add_argument("--heads", nargs="+", required=True, help="native heads or vLLM exports")
     ap.add_argument("--prompts", default=str(ROOT / "benchmarks/results/specbench_dev60.jsonl"))
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--every", type=int, default=1,
+                    help="every Nth prompt (the dev file is ordered by category: --every 2 keeps 6 of each of 5)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--loop-batch-sizes", type=int, nargs="+", default=None,
+                    help="our loop's batch sizes (default: --batch-sizes); other engine runs are compared with "
+                         "the loop's smallest batch at the same temperature")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine_vllm.json")
     args = ap.parse_args()
     python = find_python()
-    prompts = read_prompt_file(args.prompts)[: args.limit]
+    prompts = read_prompt_file(args.prompts)[:: args.every][: args.limit]
     result = {"cpu_flags": cpu_flags(), "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     ok = True
     for dtype in args.dtypes:
         target = load_target(None, dtype=dtype)
         ids = [i for i in (encode(target.tokenizer, p) for p in prompts) if i]
         base = EngineEvalSettings(k=args.k, temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
-                                  batch_sizes=tuple(args.batch_sizes), dtype=dtype, python=python)
+                                  batch_sizes=tuple(args.batch_sizes), dtype=dtype, python=python,
+                                  loop_batch_sizes=tuple(args.loop_batch_sizes) if args.loop_batch_sizes else None)
         for n, head in enumerate(args.heads):  # plain and ngram with the first head's run only
             s = replace(base, methods=("plain", "ngram", "head") if n == 0 else ("head",))
             report = engine_eval(target, head, ids, s)
