@@ -8,6 +8,10 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# The recipes say data.responses.engine: auto (vLLM where installed); the tests run stage 1 on tiny
+# models vLLM's CPU attention cannot serve (head_dim < 64), in this process and in the runs they
+# launch, so auto means hf here. Tests of auto and of vLLM set the engine themselves.
+os.environ["DRAFTKIT_DATA_ENGINE"] = "hf"
 
 
 def make_tiny_target(vocab: int = 96, hidden: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2,
