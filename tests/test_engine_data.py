@@ -286,3 +286,39 @@ def test_auto_follows_draftkit_data_engine(fresh_auto, monkeypatch):
     monkeypatch.setenv("DRAFTKIT_DATA_ENGINE", "sglang")
     with pytest.raises(ValueError, match="DRAFTKIT_DATA_ENGINE='sglang'"):
         fresh_auto.engine_of(GenerationSettings(engine="auto"))
+
+
+def test_trainer_runs_a_vllm_stage_1_before_it_loads_the_hf_decoder(magpie_target_dir, prompt_file, tmp_path,
+                                                                      monkeypatch):
+    """On a GPU vLLM takes its share of the memory: the trainer answers stage 1 through vLLM with a
+    shell target, and builds the HF decoder (which its online features need) only after vLLM stopped."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from draftkit.engines import vllm_data
+    from draftkit.train.loop import Trainer
+
+    events, load, start = [], transformers.AutoModelForCausalLM.from_pretrained, vllm_data.generate_responses
+
+    def spy_load(*args, **kwargs):
+        out = load(*args, **kwargs)
+        events.append(("hf", (out[0] if isinstance(out, tuple) else out).config.num_hidden_layers))
+        return out
+
+    def spy_vllm(*args, **kwargs):
+        events.append(("vllm", "start"))
+        yield from start(*args, **kwargs)
+        events.append(("vllm", "stop"))
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy_load)
+    monkeypatch.setattr(vllm_data, "generate_responses", spy_vllm)
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", recipe_args(
+        magpie_target_dir, prompt_file, tmp_path / "run", tmp_path / "cache", "data.holdout=0", "data.num_prompts=8",
+        "data.responses.engine=vllm", "train.features=online"))
+    fake = SimpleNamespace(recipe=recipe, dist=ONE, global_batch=8, main=True)
+    fake.stage1_before_decoder = lambda load: Trainer.stage1_before_decoder(fake, load)
+    target = Trainer.target_for_training(fake)
+    assert target.has_transformer and ("hf", 2) in events
+    assert events.index(("vllm", "stop")) < events.index(("hf", 2)), events
+    assert all(e == ("hf", 0) for e in events[:events.index(("vllm", "start"))]), events

@@ -142,6 +142,7 @@ class Trainer:
         def load(transformer: bool) -> Target:
             return load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype, trust_remote_code=t.trust_remote_code,
                                device=self.dist.device, transformer=transformer)
+        self.stage1_before_decoder(load)
         why = ("train.features is online" if r.train.features != "offline" else
                "train.eval_every runs the draft-verify loop" if r.train.eval_every else None)
         self.found = None  # stage 1's data when the shell was chosen (read once, in unstored_features)
@@ -160,6 +161,17 @@ class Trainer:
         if self.main:
             log.info("target %s: full target loaded (%d decoder layers): %s", target.name, target.num_layers, why)
         return target
+
+    def stage1_before_decoder(self, load) -> None:
+        """Stage 1 with a shell target first when vLLM answers it (data.responses.engine vllm, or auto
+        resolving to it): vLLM takes its own share of the GPU's memory, so the HF decoder is loaded
+        only after vLLM has stopped. Nothing to do when stage 1 is finished (prepare finds it)."""
+        from draftkit.distill.prepare import needs_decoder, prepare
+
+        if needs_decoder(self.recipe):
+            return
+        with checkpoint.rng_unchanged():  # the same random numbers whether stage 1 ran here or was cached
+            prepare(self.recipe, load(transformer=False), self.dist, self.recipe.samples_needed(self.global_batch))
 
     def prepare(self) -> None:
         r = self.recipe
