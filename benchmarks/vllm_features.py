@@ -115,8 +115,14 @@ def run_vllm(model: Path, dtype: str, prompts: list[list[int]], layers: list[int
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)
     t0 = time.perf_counter()
-    r = subprocess.run([python, str(work / "worker.py"), str(work / "req.json"), str(work / "res.json")],
-                       capture_output=True, text=True, env=env, timeout=900)
+    try:
+        r = subprocess.run([python, str(work / "worker.py"), str(work / "req.json"), str(work / "res.json")],
+                           capture_output=True, text=True, env=env, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stderr or e.stdout or b"")
+        lines = (out.decode() if isinstance(out, bytes) else out).strip().splitlines()
+        return {"ok": False, "exit": None, "error": "no result within 300 s (hung)", "log_tail": lines[-30:],
+                "process_seconds": time.perf_counter() - t0}
     if r.returncode != 0 or not (work / "res.json").is_file():
         lines = (r.stderr or r.stdout).strip().splitlines()
         err = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
