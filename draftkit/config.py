@@ -241,13 +241,6 @@ class TrainConfig:
     # "float8" (e4m3 with an fp32 scale per token and layer: half of bf16's bytes, read back in the
     # target's dtype). The trainer prints bytes/token x tokens and refuses when the disk lacks room.
     feature_storage: Literal["target", "bfloat16", "float8"] = "target"
-    # Who computes offline features in stage 2 (`draftkit prepare --features`): "hf" = the target's
-    # transformers model in this process; "vllm" = vLLM's extract_hidden_states (the residual stream
-    # entering each feature layer, one prefill per sample, engines/vllm_data.target_hidden_states),
-    # the final hidden and teacher then from the target's final norm and lm_head, so prepare loads no
-    # decoder layer. Same files either way, equal within 1e-4 (fp32) / 5e-2 (bf16) of the largest
-    # feature (tests/test_engine_data.py).
-    feature_engine: Literal["hf", "vllm"] = "hf"
     # The target's teacher distribution in the features: 0 = its final hidden state (H values per
     # token; the loss rebuilds the full logits with the lm_head); k > 0 = its k most likely next
     # tokens, ids (int32) and log-probabilities over the full vocabulary (float16), 6k bytes per

@@ -160,7 +160,7 @@ def needs_decoder(recipe, features: bool = False) -> bool:
     from draftkit.distill.regenerate import engine_of
 
     r = recipe.data.responses
-    return (features and recipe.train.feature_engine == "hf") or (r.mode == "regenerate" and engine_of(r) == "hf")
+    return features or (r.mode == "regenerate" and engine_of(r) == "hf")
 
 
 def engine_model_dir(t) -> str:
@@ -287,30 +287,13 @@ def prepare_features(recipe, target, dist, directory: Path, batch_size: int = 8)
     pad = target.tokenizer.pad_token_id if target.tokenizer is not None else None
     bar = tqdm(total=sum(len(s["input_ids"]) for s in mine), desc="features", unit="tok", unit_scale=True,
                disable=not dist.is_main)
-    if recipe.train.feature_engine == "vllm":
-        _features_through_vllm(recipe, target, store, [mine[i] for i in store.missing(mine)], bar)
-    for i in range(0, len(mine), batch_size):  # hf computes here; after vllm it only checks all are stored
+    for i in range(0, len(mine), batch_size):
         chunk = mine[i: i + batch_size]
         store.ensure(chunk, 0 if pad is None else pad)
-        if recipe.train.feature_engine == "hf":
-            bar.update(sum(len(s["input_ids"]) for s in chunk))
+        bar.update(sum(len(s["input_ids"]) for s in chunk))
     bar.close()
     barrier()
     return text
-
-
-def _features_through_vllm(recipe, target, store, todo: list[dict], bar) -> None:
-    """train.feature_engine vllm: one vLLM engine captures the feature layers of this rank's samples
-    without features, chunk by chunk into the store (FeatureStore.store_captured)."""
-    from draftkit.engines.vllm_data import target_hidden_states, vllm_layer_ids
-
-    ids = vllm_layer_ids(store.layers, target.num_layers)
-    dtype = str(target.dtype).removeprefix("torch.")
-    for idx, hidden in target_hidden_states(engine_model_dir(recipe.target), dtype, [s["input_ids"] for s in todo],
-                                            ids, llm_kwargs=recipe.data.responses.vllm):
-        chunk = [todo[i] for i in idx]
-        store.store_captured(chunk, hidden, ids)
-        bar.update(sum(len(s["input_ids"]) for s in chunk))
 
 
 # ---------------------------------------------------------------------------------------------

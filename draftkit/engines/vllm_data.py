@@ -143,52 +143,37 @@ def vllm_layer_ids(layers: tuple[int, ...], num_layers: int) -> list[int]:
 
 
 def target_hidden_states(model_dir, dtype: str, prompt_ids: list[list[int]], layer_ids: list[int],
-                         chunk_size: int = 64, llm_kwargs: dict | None = None, python: str | None = None,
-                         kv_cache_gib: int = 2, poll_s: float = 0.2,
-                         stats: dict | None = None) -> Iterator[tuple[list[int], list]]:
-    """Yield (sample positions, per sample the residual stream entering each of vLLM's layer_ids,
-    (T, len(layer_ids), H) in `dtype`) per finished chunk, from one vLLM prefill per sample (vLLM
-    0.32's extract_hidden_states method and its example hidden-states connector; on CPU the worker
-    copies the slots itself). One engine for all chunks; its files are removed once read. EngineError
-    with vLLM's log when it fails; `stats` receives load_seconds, wall_s (prefills and files), tokens."""
+                         llm_kwargs: dict | None = None, python: str | None = None, kv_cache_gib: int = 2,
+                         stats: dict | None = None) -> list:
+    """Per sample, the residual stream entering each of vLLM's layer_ids, (T, len(layer_ids), H) in
+    `dtype`, from one vLLM prefill each (vLLM 0.32's extract_hidden_states method and its example
+    hidden-states connector; on CPU the worker copies the slots itself). EngineError with vLLM's log
+    when it fails; `stats` receives load_seconds, wall_s (the prefills and files alone), tokens."""
     from safetensors.torch import load_file
 
-    if not prompt_ids:
-        return
     python = find_python(python)
     work = Path(tempfile.mkdtemp(prefix="draftkit-vllm-hidden-"))
     try:
         llm_kwargs = dict(llm_kwargs or {})
         req = {"kind": "hidden_states", "model": str(model_dir), "dtype": dtype, "layer_ids": list(layer_ids),
-               "prompts": prompt_ids, "chunk_size": chunk_size, "out_dir": str(work / "chunks"),
-               "kv_cache_gib": kv_cache_gib, "llm_kwargs": llm_kwargs,
+               "prompts": prompt_ids, "out_dir": str(work / "hidden"), "kv_cache_gib": kv_cache_gib,
                "max_model_len": llm_kwargs.pop("max_model_len", max(map(len, prompt_ids)) + 8),
-               "max_num_seqs": llm_kwargs.pop("max_num_seqs", min(len(prompt_ids), chunk_size))}
-        (work / "chunks").mkdir()
+               "max_num_seqs": llm_kwargs.pop("max_num_seqs", min(len(prompt_ids), 64)), "llm_kwargs": llm_kwargs}
         (work / "request.json").write_text(json.dumps(req))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "TOKENIZERS_PARALLELISM": "false", **rank_devices(llm_kwargs)}
         env.pop("PYTHONPATH", None)
-        with open(work / "log.txt", "w") as log:
-            proc = subprocess.Popen([python, str(WORKER), str(work / "request.json"), str(work / "result.json")],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env)
-            try:
-                for idx, paths in _chunks(proc, work / "chunks", poll_s):
-                    if not all(paths):
-                        raise EngineError(f"vLLM returned no hidden states for some of samples {idx[:5]}...")
-                    hidden = [load_file(path)["hidden_states"] for path in paths]
-                    for path in paths:
-                        Path(path).unlink(missing_ok=True)
-                        Path(path + ".lock").unlink(missing_ok=True)
-                    yield idx, hidden
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if proc.returncode != 0 or not (work / "result.json").is_file():
-            tail = "\n".join((work / "log.txt").read_text().strip().splitlines()[-25:])
-            raise EngineError(f"vLLM failed (exit {proc.returncode}) capturing hidden states of {model_dir}:\n{tail}")
+        r = subprocess.run([python, str(WORKER), str(work / "request.json"), str(work / "result.json")],
+                           capture_output=True, text=True, env=env)
+        if r.returncode != 0 or not (work / "result.json").is_file():
+            tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-25:])
+            raise EngineError(f"vLLM failed (exit {r.returncode}) capturing hidden states of {model_dir}:\n{tail}")
+        result = json.loads((work / "result.json").read_text())
         if stats is not None:
-            stats.update(json.loads((work / "result.json").read_text()))
+            stats.update({k: v for k, v in result.items() if k != "paths"})
+        missing = [i for i, path in enumerate(result["paths"]) if not path]
+        if missing:
+            raise EngineError(f"vLLM returned no hidden states for samples {missing[:5]} of {len(prompt_ids)}")
+        return [load_file(path)["hidden_states"] for path in result["paths"]]
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -218,13 +218,11 @@ def cpu_hidden_states_connector() -> None:
 
 
 def capture_hidden_states(req: dict, result_path: str) -> int:
-    """kind "hidden_states": {model, dtype, layer_ids, prompts: [[id]], chunk_size, out_dir, max_model_len,
+    """kind "hidden_states": {model, dtype, layer_ids, prompts: [[id]], out_dir, max_model_len,
     max_num_seqs, llm_kwargs}. vLLM's extract_hidden_states method: one prefill per sample
     (max_tokens 1), the residual stream entering each of layer_ids (id N: the last layer's output,
-    before the final norm), stored by ExampleHiddenStatesConnector as one safetensors file per request
-    {hidden_states (T, layers, H), token_ids (T)}. After each chunk of chunk_size prompts,
-    out_dir/chunk-NNNNN.json {indices, outputs: [file]} (atomic; the parent reads and removes the
-    files while this runs). Stops when the parent process is gone."""
+    before the final norm) stored by ExampleHiddenStatesConnector as out_dir/<request>.safetensors
+    {hidden_states (T, layers, H), token_ids (T)}. result {paths: one per prompt, wall_s, ...}."""
     import torch
     import vllm
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -232,30 +230,25 @@ def capture_hidden_states(req: dict, result_path: str) -> int:
 
     if not torch.cuda.is_available():
         cpu_hidden_states_connector()
-    parent, t0 = os.getppid(), time.perf_counter()
+    t0 = time.perf_counter()
     llm = LLM(model=req["model"], dtype=req["dtype"], skip_tokenizer_init=True, max_model_len=req["max_model_len"],
               max_num_seqs=req["max_num_seqs"], enable_prefix_caching=False,
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": req["layer_ids"]}}},
               kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                  "kv_connector_extra_config": {"shared_storage_path": os.path.join(
-                                      req["out_dir"], "hidden")}},
+                                  "kv_connector_extra_config": {"shared_storage_path": req["out_dir"]}},
               **{"enforce_eager": True, **req.get("llm_kwargs", {})})
     load, t1 = time.perf_counter() - t0, time.perf_counter()
-    prompts, C = req["prompts"], req["chunk_size"]
-    once = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    for n, start in enumerate(range(0, len(prompts), C)):
-        if os.getppid() != parent:
-            return 3
-        idx = list(range(start, min(start + C, len(prompts))))
-        outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], once, use_tqdm=False)
-        paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
-        for path in filter(None, paths):
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
+                        SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+    paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
+    for path in paths:
+        if path:
             load_hidden_states(path)  # waits until the file is written
-        write_json_atomic(os.path.join(req["out_dir"], f"chunk-{n:05d}.json"), {"indices": idx, "outputs": paths})
     write_json_atomic(result_path, {"vllm_version": vllm.__version__, "load_seconds": load,
-                                    "wall_s": time.perf_counter() - t1, "tokens": sum(map(len, prompts))})
+                                    "wall_s": time.perf_counter() - t1, "paths": paths,
+                                    "tokens": sum(map(len, req["prompts"]))})
     return 0
 
 

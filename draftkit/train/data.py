@@ -198,40 +198,19 @@ class FeatureStore:
                                  topk=self.topk)
         for i, (s, path) in enumerate(zip(samples, paths)):
             L = len(s["input_ids"])
-            self._save(path, f.hidden[i, :L], f.final_hidden[i, :L], f.top1[i, :L],
-                       *((f.topk_ids[i, :L], f.topk_logp[i, :L]) if self.topk else (None, None)))
-        self.computed += len(samples)
-
-    def _save(self, path: Path, hidden: Tensor, final: Tensor, top1: Tensor, topk_ids: Tensor | None,
-              topk_logp: Tensor | None) -> None:
-        """One sample's file (the class doc's layout), written atomically: a killed run never leaves a
-        half-written feature file. hidden (L, G*H), final (L, H), top1 (L,), topk (L, k)."""
-        if self.topk:  # the teacher as top-k, no final hidden
-            tensors = {"topk_ids": topk_ids.contiguous().cpu(), "topk_logp": topk_logp.contiguous().cpu()}
-            parts = [("hidden", hidden, len(self.layers))]
-        else:
-            tensors = {"top1": top1.to(torch.int32).contiguous().cpu()}
-            parts = [("final", final, 1)] + ([] if self.same else [("hidden", hidden, len(self.layers))])
-        for key, x, groups in parts:
-            tensors.update({key + k: v.contiguous().cpu() for k, v in encode(x, self.storage, groups).items()})
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-
-    @torch.inference_mode()
-    def store_captured(self, samples: list[dict], captured: list[Tensor], ids: list[int]) -> None:
-        """Store features a serving engine captured: captured[i] (T, len(ids), H) is the residual
-        stream entering each of vLLM's layer ids (engines/vllm_data.vllm_layer_ids(self.layers, N));
-        the final hidden is the target's final norm of id N, the teacher (top-1 or top-k) its lm_head's,
-        so a shell target (no decoder layer) suffices. The files are those `_compute` writes."""
-        n = self.target.num_layers
-        for s, g in zip(samples, captured):
-            g = g.to(self.target.device, self.target.dtype)
-            final = self.target.final_norm(g[:, ids.index(n)])  # (T, H)
-            hidden = torch.cat([final if i == FINAL else g[:, ids.index(i)] for i in self.layers], dim=-1)
-            topk = self.target.topk_logprobs(final, self.topk) if self.topk else (None, None)
-            top1 = topk[0][:, 0] if self.topk else self.target.logits(final).argmax(-1)
-            self._save(self.dir / f"{sample_key(s)}.safetensors", hidden, final, top1, *topk)
+            if self.topk:  # the teacher as top-k, no final hidden
+                tensors = {"topk_ids": f.topk_ids[i, :L].contiguous().cpu(),
+                           "topk_logp": f.topk_logp[i, :L].contiguous().cpu()}
+                parts = [("hidden", f.hidden, len(self.layers))]
+            else:
+                tensors = {"top1": f.top1[i, :L].to(torch.int32).contiguous().cpu()}
+                parts = [("final", f.final_hidden, 1)] + ([] if self.same else [("hidden", f.hidden, len(self.layers))])
+            for key, x, groups in parts:
+                enc = encode(x[i, :L], self.storage, groups)
+                tensors.update({key + k: v.contiguous().cpu() for k, v in enc.items()})
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            save_file(tensors, tmp)
+            os.replace(tmp, path)  # atomic: a killed run never leaves a half-written feature file
         self.computed += len(samples)
 
     def bytes_per_token(self) -> int:
