@@ -4,7 +4,8 @@
 
 It imports nothing of draftkit (vLLM's environment need not have it) and is started by
 draftkit/engines/vllm.py, which builds the request and reads the result. One request = one engine
-(one speculative config) and a list of runs over the same prompts:
+(one speculative config) and a list of runs over the same prompts, or with `engines` several
+engines one after another in this one process (each built, run and shut down in turn):
 
   request {model, dtype, speculative_config | null, max_model_len, max_num_seqs, kv_cache_gib,
            prompts: [[token id]], runs: [{name, batch_size, sampling: {temperature, top_p, top_k,
@@ -12,6 +13,8 @@ draftkit/engines/vllm.py, which builds the request and reads the result. One req
   result  {vllm_version, load_seconds, runs: [{name, outputs: [[token id]], wall_s, new_tokens,
            tokens_per_s, counters: {num_drafts, num_draft_tokens, num_accepted_tokens,
            accepted_per_pos}}], drafter: {...} | null}
+  request with engines: [{name, speculative_config | null}] -> result {vllm_version,
+           engines: [{name, speculative_config, load_seconds, runs: [...], drafter}]}
 
 Counters are vLLM's own (llm.get_metrics(): vllm:spec_decode_*), taken as the difference across
 each run. A run of batch_size B hands vLLM B prompts at a time (max_num_seqs = the largest B).
@@ -187,77 +190,27 @@ def generate_responses(req: dict, result_path: str) -> int:
     return 0
 
 
-# ---- request kind "hidden_states": stage-2 features (draftkit/engines/vllm_data.py) ------------------
+def serve_engine(LLM, req: dict, speculative_config: dict | None, last: bool) -> dict:
+    """One engine: built, every run of the request, then (unless it is the last) shut down, so
+    that the next engine of request kind "engines" starts clean in this process."""
+    import gc
 
-def cpu_hidden_states_connector() -> None:
-    """ExampleHiddenStatesConnector copies a finished request's slots on a CUDA stream into pinned
-    memory and writes the file on a thread after a CUDA event: none of which exists on CPU. Here the
-    same slots are copied and written at once, and the request reported done (no event to wait for)."""
-    import torch
-    from safetensors.torch import save_file
-    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
-
-    class Done:
-        def query(self):
-            return True
-
-    def submit(self, pending):
-        if not self._is_tp_rank_zero:
-            return
-        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
-        slots = (torch.arange(self._block_size)[None] + blocks[:, None] * self._block_size).flatten()
-        hs = m.extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
-        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        save_file({"hidden_states": hs.contiguous(), "token_ids": pending.token_ids.clone()}, pending.filename)
-        fd = self._lock_fds.pop(pending.req_id, None)
-        if fd is not None:
-            os.close(fd)  # releases the lock a reader waits on
-        self._req_copy_events[pending.req_id] = Done()
-
-    m.ExampleHiddenStatesConnector._submit_async_write = submit
-
-
-def capture_hidden_states(req: dict, result_path: str) -> int:
-    """kind "hidden_states": {model, dtype, layer_ids, prompts: [[id]], out_dir, max_model_len,
-    max_num_seqs, llm_kwargs}. vLLM's extract_hidden_states method: one prefill per sample
-    (max_tokens 1), the residual stream entering each of layer_ids (id N: the last layer's output,
-    before the final norm) stored by ExampleHiddenStatesConnector as out_dir/<request>.safetensors
-    {hidden_states (T, layers, H), token_ids (T)}. result {paths: one per prompt, wall_s, ...}."""
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
-
-    if not torch.cuda.is_available():
-        cpu_hidden_states_connector()
     t0 = time.perf_counter()
-    llm = LLM(model=req["model"], dtype=req["dtype"], skip_tokenizer_init=True, max_model_len=req["max_model_len"],
-              max_num_seqs=req["max_num_seqs"], enable_prefix_caching=False,
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {
-                                      "eagle_aux_hidden_state_layer_ids": req["layer_ids"]}}},
-              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                  "kv_connector_extra_config": {"shared_storage_path": req["out_dir"]}},
-              **{"enforce_eager": True, **req.get("llm_kwargs", {})})
-    load, t1 = time.perf_counter() - t0, time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
-                        SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
-    paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
-    for path in paths:
-        if path:
-            load_hidden_states(path)  # waits until the file is written
-    write_json_atomic(result_path, {"vllm_version": vllm.__version__, "load_seconds": load,
-                                    "wall_s": time.perf_counter() - t1, "paths": paths,
-                                    "tokens": sum(map(len, req["prompts"]))})
-    return 0
+    llm = LLM(model=req["model"], dtype=req["dtype"], enforce_eager=True, skip_tokenizer_init=True,
+              speculative_config=speculative_config, max_model_len=req["max_model_len"],
+              max_num_seqs=req["max_num_seqs"], disable_log_stats=False, seed=req.get("seed", 0))
+    load = time.perf_counter() - t0
+    runs = [run_one(llm, req["prompts"], r) for r in req["runs"]]
+    drafter = inspect_drafter(llm, req["drafter_files"]) if req.get("inspect_drafter") else None
+    if not last:
+        llm.llm_engine.engine_core.shutdown()  # in-process core: frees the KV cache, tears down torch.distributed
+        del llm
+        gc.collect()
+    return {"load_seconds": load, "runs": runs, "drafter": drafter}
 
 
 def main(request_path: str, result_path: str) -> int:
     req = json.loads(open(request_path).read())
-    if req.get("kind") == "hidden_states":
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_cache_gib", 2)))
-        return capture_hidden_states(req, result_path)
     if req.get("kind") == "responses":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_cache_gib", 2)))
@@ -270,14 +223,15 @@ def main(request_path: str, result_path: str) -> int:
     if req.get("inspect_drafter"):
         snapshot_loaded_weights()
 
-    t0 = time.perf_counter()
-    llm = LLM(model=req["model"], dtype=req["dtype"], enforce_eager=True, skip_tokenizer_init=True,
-              speculative_config=req.get("speculative_config"), max_model_len=req["max_model_len"],
-              max_num_seqs=req["max_num_seqs"], disable_log_stats=False, seed=req.get("seed", 0))
-    load = time.perf_counter() - t0
-    runs = [run_one(llm, req["prompts"], r) for r in req["runs"]]
-    drafter = inspect_drafter(llm, req["drafter_files"]) if req.get("inspect_drafter") else None
-    result = {"vllm_version": vllm.__version__, "load_seconds": load, "runs": runs, "drafter": drafter}
+    if req.get("engines"):  # one engine after another in this process (the imports paid once)
+        engines = [{"name": e["name"], "speculative_config": e.get("speculative_config"),
+                    **serve_engine(LLM, req, e.get("speculative_config"), last=i == len(req["engines"]) - 1)}
+                   for i, e in enumerate(req["engines"])]
+        result = {"vllm_version": vllm.__version__, "engines": engines}
+    else:
+        one = serve_engine(LLM, req, req.get("speculative_config"), last=True)
+        drafter = one.pop("drafter")
+        result = {"vllm_version": vllm.__version__, **one, "drafter": drafter}
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
