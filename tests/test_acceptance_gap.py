@@ -14,7 +14,7 @@ import torch
 
 from draftkit.heads import build_head
 from draftkit.heads.layers import causal_mask
-from draftkit.inference.agreement import loop_trace, replay, teacher_forced
+from draftkit.inference.agreement import loop_trace, replay, teacher_forced, training_features
 from draftkit.inference.decoder import SpecDecoder
 from tests.conftest import fit_on_greedy_continuations, make_arch_target
 
@@ -39,7 +39,7 @@ def test_depth1_equals_a_parallel_forward(setup):
     target, head = setup
     prompt = PROMPTS[1]
     cont = loop_trace(SpecDecoder(target, head, k=K, stop_ids=[]), prompt, NEW).continuation
-    a = teacher_forced(head, target, prompt, cont, K, topk=3)
+    a = teacher_forced(head, prompt, cont, *training_features(target, head.feature_layers, prompt + cont), K, topk=3)
     seq = torch.tensor([prompt + cont])  # (1, T)
     T, L = seq.shape[1], len(prompt)
     f = target.features(seq, torch.ones_like(seq), head.feature_layers)
@@ -63,7 +63,9 @@ def test_loop_steps_equal_teacher_forced_leading_agreement(setup):
     total, deep = 0, 0
     for prompt in PROMPTS:
         trace = loop_trace(dec, prompt, NEW)
-        a = teacher_forced(head, target, prompt, trace.continuation, K, context=False)
+        feats, top1 = training_features(target, head.feature_layers, prompt + trace.continuation)
+        a = teacher_forced(head, prompt, trace.continuation, feats, top1, K, context=False)
+        assert trace.feature_error(feats, len(prompt)) < 1e-5  # the loop's verify features are the training ones
         rows = [r - len(prompt) + 1 for r in trace.roots(len(prompt))]
         assert trace.accepted == [a.leading(i, K) for i in rows]
         stats, accepted = replay(a, K, NEW, [])
@@ -73,3 +75,27 @@ def test_loop_steps_equal_teacher_forced_leading_agreement(setup):
         total += len(rows)
         deep += trace.stats.accepted_at[1]
     assert deep >= 5 and total >= 20  # depth 2+ was accepted: the own-draft feeding was exercised
+
+
+def test_tally_counts_a_hand_built_agreement():
+    """Conditional alpha, its true-feature control, position buckets, the max_length split, oov."""
+    from draftkit.inference.agreement import Agreement, Tally
+
+    L, k = 300, 2
+    seq = list(range(L)) + [7, 8, 9, 7, 8]  # continuation: roots 299..303, depth d predicts seq[r + 1 + d]
+    hits = torch.tensor([[1, 1], [0, 1], [1, 0], [0, 0], [0, 0]], dtype=torch.bool)
+    known = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0], [0, 0]], dtype=torch.bool)
+    ctx = torch.zeros(len(seq) - 1, dtype=torch.bool)
+    ctx[:100] = True  # roots 0..99 (drafted tokens at positions 2..101) agree with the target's top-1
+    a = Agreement(L, seq, hits, hits & known, known, ctx, torch.tensor(seq[1:] + [0]))
+    t = Tally(k, max_length=256)
+    t.add(a, vocab={7, 8})
+    d = t.to_dict()
+    assert d["tf_top1"] == [2 / 4, 2 / 3] and d["tf_reached"] == [4, 2]
+    # depth 2 is reached from rows 0 and 2 (depth 1 hit, depth 2 known) and hit from row 0; the same
+    # tokens drafted at depth 1 from rows 1 and 3 (true features) are both missed
+    assert d["tf_alpha"] == [2 / 4, 1 / 2] and d["tf_alpha_true_features"] == [2 / 4, 0.0]
+    assert d["by_position"] == {"256-512": {"n": 4, "top1": 2 / 4}}
+    assert d["context_by_position"]["0-256"] == {"n": 254, "top1": 100 / 254}
+    assert d["context_split"]["n_before"] == 254 and d["context_split"]["top1_from"] == 0.0
+    assert d["outside_draft_vocab"] == 1 / 5 and d["target_top1_differs_from_continuation"] == 0.0

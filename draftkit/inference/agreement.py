@@ -41,6 +41,7 @@ class LoopTrace:
     stats: SpecStats
     accepted: list[int]  # per step: drafts accepted
     continuation: list[int]  # the prefill token + every step's accepted drafts and bonus token
+    feats: Tensor  # (M, F) the loop's target features of continuation positions L .. L+M-1 (verify blocks)
 
     def roots(self, prompt_len: int) -> list[int]:
         """The root (position of the newest feature the head had) of every step."""
@@ -50,24 +51,35 @@ class LoopTrace:
             r += a + 1
         return out
 
+    def feature_error(self, train_feats: Tensor, prompt_len: int) -> float | None:
+        """||loop - training|| / ||training|| of the features at the positions the loop verified
+        (train_feats (1, T, F): training_features of prompt + continuation)."""
+        m = self.feats.shape[0]
+        if not m:
+            return None
+        ref = train_feats[0, prompt_len: prompt_len + m].float().cpu()
+        return float((self.feats - ref).norm() / ref.norm().clamp(min=1e-30))
+
 
 def loop_trace(decoder: SpecDecoder, prompt: list[int], max_new_tokens: int, params=None) -> LoopTrace:
     """Decode one prompt with `decoder`, recording each verify's accepted count and tokens."""
     from draftkit.inference.sampling import SamplingParams
 
-    steps: list[tuple[int, list[int]]] = []
+    steps: list[tuple[int, list[int], Tensor]] = []
 
     def observe(tree, v) -> None:  # v.tokens (1, D+1): accepted drafts, then the bonus / recovered token
-        n = int(v.num_accepted[0])
-        steps.append((n, v.tokens[0, : n + 1].tolist()))
+        n = int(v.num_accepted[0])  # slots 0..n of the block: the pending token and the accepted drafts
+        steps.append((n, v.tokens[0, : n + 1].tolist(), v.feats[0, : n + 1].float().cpu()))
 
     before, decoder.observer = decoder.observer, observe
     try:
         outs, stats = decoder.generate([prompt], max_new_tokens, params or SamplingParams())
     finally:
         decoder.observer = before
-    continuation = outs[0][:1] + [t for _, toks in steps for t in toks]
-    return LoopTrace(outs[0], stats, [n for n, _ in steps], continuation)
+    continuation = outs[0][:1] + [t for _, toks, _ in steps for t in toks]
+    feats = torch.cat([f for _, _, f in steps]) if steps else torch.zeros(0, 0)
+    return LoopTrace(outs[0], stats, [n for n, _, _ in steps], continuation, feats)
+
 
 
 @dataclass
@@ -102,25 +114,25 @@ class _Recorder:
         return logits.argmax(-1), None
 
 
-def training_features(target, head, seq: list[int], storage: str = "target"):
-    """(feats (1, T, F) the head reads, target top-1 (T,)) of `seq` as the trainer computes them:
+def training_features(target, layers: tuple[int, ...], seq: list[int], storage: str = "target"):
+    """(feats (1, T, F) of `layers`, the target's top-1 (T,)) of `seq` as the trainer computes them:
     train/data.py FeatureStore (online, one forward), then the recipe's train.feature_storage
     round trip (bf16 / fp8 as stored on disk; "target" keeps the target's dtype)."""
     from draftkit.train.data import FeatureStore, decode, encode
 
-    f = FeatureStore(target, head.feature_layers, None).batch([{"input_ids": seq, "loss_mask": [1] * len(seq)}], 0)
+    f = FeatureStore(target, layers, None).batch([{"input_ids": seq, "loss_mask": [1] * len(seq)}], 0)
     feats = f.hidden
     if storage != "target":
-        feats = decode(encode(feats[0], storage, len(head.feature_layers)), "", target.dtype)[None]
+        feats = decode(encode(feats[0], storage, len(layers)), "", target.dtype)[None]
     top1 = target.logits(f.final_hidden[0]).argmax(-1)  # (T,) as FeatureStore stores "top1"
     return feats, top1
 
 
 @torch.no_grad()
-def teacher_forced(head, target, prompt: list[int], continuation: list[int], k: int, topk: int = 4,
-                   autocast: torch.dtype | None = None, context: bool = True,
-                   storage: str = "target") -> Agreement:
-    """Draft k from every continuation root with training features (see the module doc).
+def teacher_forced(head, prompt: list[int], continuation: list[int], feats: Tensor, top1: Tensor, k: int,
+                   topk: int = 4, autocast: torch.dtype | None = None, context: bool = True) -> Agreement:
+    """Draft k from every continuation root of prompt + continuation (see the module doc), given
+    its training features `feats` (1, T, F) and the target's top-1 (T,) (training_features).
 
     context: also draft depth 1 from every prompt root (checked against the target's top-1, as
     data.loss_on "all" trains); else the prompt is consumed in one call, as the loop's prefill.
@@ -128,9 +140,9 @@ def teacher_forced(head, target, prompt: list[int], continuation: list[int], k: 
     """
     seq = list(prompt) + list(continuation)
     L, T = len(prompt), len(seq)
-    if L < 1 or T < L + 1:
-        raise ValueError(f"teacher_forced: need a prompt and a continuation, got {L} + {T - L} tokens")
-    feats, top1 = training_features(target, head, seq, storage)
+    if L < 1 or T < L + 1 or feats.shape[1] != T:
+        raise ValueError(f"teacher_forced: need a prompt, a continuation and their {T} features, got {L} + "
+                         f"{T - L} tokens and features {tuple(feats.shape)}")
     dev = feats.device
     ids = torch.tensor([seq], device=dev)  # (1, T)
     state, rec = head.new_draft_state(1), _Recorder(topk)
@@ -187,3 +199,136 @@ def replay(agreement: Agreement, k: int, max_new_tokens: int, stop_ids) -> tuple
         row += n + 1
     stats.new_tokens = rows.new_tokens()
     return stats, accepted
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting many prompts
+# ---------------------------------------------------------------------------------------------
+
+BUCKETS = (0, 256, 512, 1024)  # context-position buckets of the drafted token: [0, 256) .. [1024, inf)
+
+
+def bucket_of(position: int) -> str:
+    """The label of the position bucket `position` (0-based index in prompt + continuation) falls in."""
+    i = max(j for j, lo in enumerate(BUCKETS) if position >= lo)
+    return f">{BUCKETS[-1]}" if i == len(BUCKETS) - 1 else f"{BUCKETS[i]}-{BUCKETS[i + 1]}"
+
+
+def rate(hits: int, n: int) -> float | None:
+    return hits / n if n else None
+
+
+class Tally:
+    """Counts over the prompts of one group (a category, the held-aside prompts, all of them).
+
+    Per depth d (own drafts fed): known / top-1 / top-k hits over every continuation root;
+    `cond` the roots whose depths 1..d-1 all hit (the steps a T = 0 loop would reach depth d from)
+    with `cond_hit` (depth d hit too: the teacher-forced alpha_d) and `cond_true` (the head hits the
+    same token at depth 1 from root r+d-1, i.e. with the target's true features and tokens: the
+    control that isolates compounding). Depth-1 hits by position bucket of the drafted token, on
+    the continuation and (context) against the target's top-1 at every position; the split at
+    `max_length` inside sequences that cross it; draft-vocabulary misses of the continuation; and,
+    with a loop trace, the loop's counts, the replay's, and the steps where they differ.
+    """
+
+    def __init__(self, k: int, max_length: int):
+        self.k, self.max_length = k, max_length
+        self.prompts = self.prompt_tokens = self.tokens = self.oov = self.top1_n = self.top1_differ = 0
+        z = lambda: [0] * k  # noqa: E731
+        self.known, self.top1, self.topk, self.cond, self.cond_hit, self.cond_true = z(), z(), z(), z(), z(), z()
+        self.cont_pos: dict[str, list[int]] = {}
+        self.ctx_pos: dict[str, list[int]] = {}
+        self.split = [0, 0, 0, 0]  # n, hits before max_length; n, hits from it on
+        self.loop = SpecStats(k)
+        self.replayed = SpecStats(k)
+        self.steps = self.steps_differ = 0
+        self.traced = False
+        self.feature_errors: list[float] = []
+
+    def add(self, a: Agreement, vocab: set[int] | None, trace: LoopTrace | None = None,
+            max_new_tokens: int = 0, stop_ids=(), feature_error: float | None = None) -> None:
+        self.prompts += 1
+        self.prompt_tokens += a.prompt_len
+        self._depths(a)
+        self._positions(a)
+        cont = a.tokens[a.prompt_len:]
+        self.tokens += len(cont)
+        self.oov += sum(t not in vocab for t in cont) if vocab is not None else 0
+        top1 = a.target_top1[a.prompt_len - 1: len(a.tokens) - 1].tolist()  # the target's argmax for each
+        self.top1_n += len(cont)
+        self.top1_differ += sum(x != y for x, y in zip(top1, cont))
+        if trace is not None:
+            self._loop(a, trace, max_new_tokens, stop_ids)
+        if feature_error is not None:
+            self.feature_errors.append(feature_error)
+
+    def _depths(self, a: Agreement) -> None:
+        hits, known = a.hits.tolist(), a.known.tolist()
+        for i, (h, kn) in enumerate(zip(hits, known)):
+            for d in range(self.k):
+                if not kn[d]:
+                    break
+                self.known[d] += 1
+                self.top1[d] += h[d]
+                self.topk[d] += bool(a.in_topk[i, d])
+                if all(h[:d]):
+                    self.cond[d] += 1
+                    self.cond_hit[d] += h[d]
+                    self.cond_true[d] += hits[i + d][0]  # row i+d drafts the same token at depth 1
+
+    def _positions(self, a: Agreement) -> None:
+        for i, (h, kn) in enumerate(zip(a.hits[:, 0].tolist(), a.known[:, 0].tolist())):
+            if kn:
+                c = self.cont_pos.setdefault(bucket_of(a.prompt_len + i + 1), [0, 0])
+                c[0], c[1] = c[0] + 1, c[1] + h
+        if a.context_hits is None:
+            return
+        crosses = len(a.tokens) > self.max_length
+        for r, h in enumerate(a.context_hits.tolist()):
+            c = self.ctx_pos.setdefault(bucket_of(r + 2), [0, 0])
+            c[0], c[1] = c[0] + 1, c[1] + h
+            if crosses:
+                j = 0 if r + 2 < self.max_length else 2
+                self.split[j] += 1
+                self.split[j + 1] += h
+
+    def _loop(self, a: Agreement, trace: LoopTrace, max_new_tokens: int, stop_ids) -> None:
+        self.traced = True
+        self.loop += trace.stats
+        stats, _ = replay(a, self.k, max_new_tokens, stop_ids)
+        self.replayed += stats
+        rows = [r - a.prompt_len + 1 for r in trace.roots(a.prompt_len)]
+        self.steps += len(rows)
+        self.steps_differ += sum(n != a.leading(i, self.k) for n, i in zip(trace.accepted, rows))
+
+    def to_dict(self) -> dict:
+        k = range(self.k)
+        out = {
+            "prompts": self.prompts, "mean_prompt_tokens": rate(self.prompt_tokens, self.prompts),
+            "continuation_tokens": self.tokens, "outside_draft_vocab": rate(self.oov, self.tokens),
+            "target_top1_differs_from_continuation": rate(self.top1_differ, self.top1_n),
+            "tf_top1": [rate(self.top1[d], self.known[d]) for d in k],
+            "tf_topk": [rate(self.topk[d], self.known[d]) for d in k],
+            "tf_alpha": [rate(self.cond_hit[d], self.cond[d]) for d in k],
+            "tf_alpha_true_features": [rate(self.cond_true[d], self.cond[d]) for d in k],
+            "tf_reached": list(self.cond),
+            "by_position": {b: {"n": n, "top1": rate(h, n)} for b, (n, h) in sorted(self.cont_pos.items(), key=_order)},
+            "context_by_position": {b: {"n": n, "top1": rate(h, n)}
+                                    for b, (n, h) in sorted(self.ctx_pos.items(), key=_order)},
+            "context_split": {"max_length": self.max_length, "n_before": self.split[0],
+                              "top1_before": rate(self.split[1], self.split[0]), "n_from": self.split[2],
+                              "top1_from": rate(self.split[3], self.split[2])},
+        }
+        if self.traced:
+            out.update(loop_tau=self.loop.tau, loop_alpha=self.loop.acceptance_per_position,
+                       replay_tau=self.replayed.tau, replay_alpha=self.replayed.acceptance_per_position,
+                       loop_steps=self.steps, steps_differing=rate(self.steps_differ, self.steps),
+                       loop_new_tokens=self.loop.new_tokens, loop_seconds=self.loop.total_s,
+                       loop_feature_rel_error=(sum(self.feature_errors) / len(self.feature_errors)
+                                               if self.feature_errors else None))
+        return out
+
+
+def _order(item) -> int:
+    label = item[0]
+    return BUCKETS[-1] + 1 if label.startswith(">") else int(label.split("-")[0])

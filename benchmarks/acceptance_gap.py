@@ -1,0 +1,392 @@
+"""Why a head's acceptance halves off its training distribution (issue 20): one run that separates
+the hypotheses, on the Spec-Bench dev prompts per category and the recipe's held-aside prompts.
+
+    python benchmarks/acceptance_gap.py --run runs/eagle                      # the recipe's head
+    python benchmarks/acceptance_gap.py --run runs/quick --limit 2 --max-new-tokens 32 \\
+        --prepared ~/.cache/draftkit/data/prepared/<fingerprint>              # a quick look
+
+For every prompt and every --dtypes entry (target and head in that dtype, as `draftkit eval
+--dtype` runs them) the loop decodes it (head-only chain k, T = 0; inference/decoder.py, traced
+step by step: inference/agreement.py loop_trace). On the continuation it verified, the head is then
+teacher-forced with the TRAINING features (one target forward through train/data.py's
+FeatureStore, the recipe's feature storage round trip), drafting k from every position and
+feeding its own drafts from depth 2 on, as the loop does (agreement.teacher_forced). Where the
+target dtype is the recipe's, the head is also teacher-forced as it trained: fp32 weights under
+the recipe's train.autocast ("train" numerics). Counted per group (agreement.Tally):
+
+- teacher-forced top-1 / top-k agreement by depth 1..k, and alpha_d = agreement at depth d given
+  depths 1..d-1 agreed (the steps a loop reaches depth d in), beside the same tokens drafted at
+  depth 1 with the target's true features (the compounding control);
+- depth-1 agreement by context position of the drafted token (0-256, 256-512, 512-1024, >1024), on
+  the continuation and, at every position of prompt + continuation, against the target's top-1
+  (what data.loss_on: all trains on), split at the recipe's data.max_length inside the sequences
+  that cross it;
+- the loop's alpha_1..k, the same rule replayed on the teacher-forced drafts at the loop's own
+  roots (agreement.replay), and the fraction of steps where the two accepted different counts;
+- the fraction of the continuation's tokens outside the head's draft vocabulary.
+
+The `verdict` section is computed from these figures, one entry per hypothesis of the issue
+(thresholds EFFECT and SHIFT below). Prints tables and writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftkit.config import load_recipe
+from draftkit.heads.base import load_head
+from draftkit.inference.agreement import BUCKETS, Tally, bucket_of, loop_trace, teacher_forced, training_features
+from draftkit.inference.cli_eval import resolve_head_dir
+from draftkit.inference.decoder import SpecDecoder, stop_token_ids
+from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.evaluate import _prepare, as_prompts, read_prompt_file
+from draftkit.inference.report import atomic_write
+from draftkit.target import CPU_FLAGS, load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPTS = ROOT / "benchmarks" / "results" / "specbench_dev60.jsonl"
+HELD = "held-aside"
+SPEC = "spec-bench"
+EFFECT = 0.05  # an agreement difference this large (absolute) explains part of the gap: confirmed
+SHIFT = 0.10  # a category this far below the held-aside prompts is off the training distribution
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def held_aside(recipe, target, prepared: str | None) -> list:
+    """The recipe's held-aside prompts (data.holdout: never trained on), from its prepared data."""
+    from draftkit.distill.prepare import finished, load_prepared
+
+    out = Path(prepared).expanduser() if prepared else finished(
+        recipe, target, recipe.samples_needed(recipe.train.micro_batch_size * recipe.train.grad_accum))
+    if out is None:
+        sys.exit("the recipe's prepared data (stage 1) is not in the cache for these settings: pass "
+                 "--prepared DIR (a directory under ~/.cache/draftkit/data/prepared/) or --no-held-aside")
+    prompts = as_prompts(load_prepared(out).holdout_prompts)
+    for p in prompts:
+        p.category = HELD
+    return prompts
+
+
+def grouped(target, prompts, limit: int | None, k: int, max_new: int) -> list[dict]:
+    """Tokenized prompts (evaluate's rule: those that do not fit are skipped), --limit per group."""
+    items, skipped = _prepare(target, prompts, k, max_new)
+    for s in skipped:
+        print(f"skipped {s['id']}: {s['reason']}", file=sys.stderr)
+    seen: dict[str, int] = {}
+    out = []
+    for it in items:
+        seen[it["category"]] = seen.get(it["category"], 0) + 1
+        if limit is None or seen[it["category"]] <= limit:
+            out.append(it)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One dtype
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_dtype(args, recipe, head_dir: Path, dtype: str, prompts, train_numerics: bool, context: bool) -> dict:
+    """Loop + teacher-forced tallies of every group in `dtype`: {"loop": {group: Tally}, "train": ...}.
+    context: also depth 1 at every prompt position (the headline dtype only: it costs a head call each)."""
+    from draftkit.train.deepspeed_config import head_autocast
+
+    t = recipe.target
+    target = load_target(t.path, gguf_file=t.gguf_file, dtype=dtype, trust_remote_code=t.trust_remote_code)
+    head = load_head(head_dir, target).to(dtype=target.dtype).eval()  # as `draftkit eval --dtype` runs it
+    trained = load_head(head_dir, target).eval() if train_numerics else None  # fp32 weights, as in training
+    autocast = head_autocast(recipe.train, target.device)
+    drafter, kw = DraftSettings(mode="chain", k=args.k).decoder_args(head)
+    stops = stop_token_ids(target)
+    decoder = SpecDecoder(target, drafter, stop_ids=stops, **kw)
+    vocab = set(head.tree_vocab.tolist()) if getattr(head, "tree_vocab", None) is not None else None
+    groups: dict[str, dict[str, Tally]] = {"loop": {}, "train": {}}
+    items = grouped(target, prompts, args.limit, args.k, args.max_new_tokens)
+    t0 = time.perf_counter()
+    for n, it in enumerate(items):
+        names = [it["category"]] + ([SPEC] if it["category"] != HELD else [])
+        trace = loop_trace(decoder, it["ids"], args.max_new_tokens)
+        seq = it["ids"] + trace.continuation
+        feats, top1 = training_features(target, head.feature_layers, seq, recipe.train.feature_storage)
+        a = teacher_forced(head, it["ids"], trace.continuation, feats, top1, args.k, args.topk, context=context)
+        for name in names:
+            tally(groups["loop"], name, args, recipe).add(a, vocab, trace, args.max_new_tokens, stops,
+                                                          trace.feature_error(feats, len(it["ids"])))
+        if trained is not None:  # the same features, the head as it trained; depths only
+            b = teacher_forced(trained, it["ids"], trace.continuation, feats, top1, args.k, args.topk,
+                               autocast=autocast, context=False)
+            for name in names:
+                tally(groups["train"], name, args, recipe).add(b, vocab)
+        print(f"  {dtype}: {n + 1}/{len(items)} prompts, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return {"groups": groups, "target_dtype": str(target.dtype).removeprefix("torch."),
+            "autocast": str(autocast).removeprefix("torch.") if autocast else None,
+            "draft_vocab_size": len(vocab) if vocab is not None else None, "seconds": time.perf_counter() - t0}
+
+
+def tally(groups: dict[str, Tally], name: str, args, recipe) -> Tally:
+    if name not in groups:
+        groups[name] = Tally(args.k, recipe.data.max_length)
+    return groups[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts: one per hypothesis of the issue, from the figures
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def verdict_mismatch(res: dict) -> dict:
+    """Train/inference mismatch: the loop accepts less than the teacher-forced drafts on the same
+    steps (features, positions, the head's cache after roll-back), the training numerics agree more
+    than the loop's, or the draft vocabulary misses what the target says."""
+    figures, confirmed = {}, []
+    for dtype, cfg in res["configs"].items():
+        s = cfg["loop"].get(SPEC) or next(iter(cfg["loop"].values()))
+        gap = s["replay_alpha"][0] - s["loop_alpha"][0] if s["loop_alpha"][0] is not None else None
+        figures[f"{dtype}: replay alpha_1 - loop alpha_1"] = gap
+        figures[f"{dtype}: steps where loop and teacher-forced differ"] = s["steps_differing"]
+        if gap is not None and gap >= EFFECT:
+            confirmed.append(f"the {dtype} loop accepts {gap:.3f} less at depth 1 than the same steps teacher-forced")
+        if cfg.get("train"):
+            t = cfg["train"].get(SPEC) or next(iter(cfg["train"].values()))
+            d = t["tf_top1"][0] - s["tf_top1"][0]
+            figures[f"{dtype}: depth-1 top-1, training numerics - loop numerics"] = d
+            if d >= EFFECT:
+                confirmed.append(f"the head as trained (fp32 + {cfg['autocast']} autocast) agrees {d:.3f} more than "
+                                 f"in the {dtype} loop")
+    spec, held = _pooled(res, SPEC), _pooled(res, HELD)
+    if spec is not None:
+        oov = spec["outside_draft_vocab"]
+        figures["spec-bench tokens outside the draft vocabulary"] = oov
+        figures["held-aside tokens outside the draft vocabulary"] = held["outside_draft_vocab"] if held else None
+        if oov is not None and oov >= EFFECT:
+            confirmed.append(f"{oov:.3f} of the target's Spec-Bench tokens lie outside the draft vocabulary")
+    return _verdict(confirmed, figures, "loop and teacher-forced agree on the same steps, the training numerics "
+                                        "and the draft vocabulary cost less than the threshold")
+
+
+def verdict_long_context(res: dict) -> dict:
+    """Contexts longer than training: agreement inside sequences that cross data.max_length falls
+    from the positions before it to those after."""
+    s = _pooled(res, SPEC, "context_split") or _pooled(res, HELD, "context_split")
+    figures = {"max_length": s["max_length"] if s else None}
+    if not s or not s["n_from"] or not s["n_before"]:
+        return {"verdict": "not measured", "why": "no sequence crosses data.max_length (or --no-context)",
+                "figures": figures}
+    drop = s["top1_before"] - s["top1_from"]
+    figures.update({"depth-1 vs target top-1 before max_length": s["top1_before"],
+                    "from max_length on": s["top1_from"], "drop": drop, "positions before / from": [s["n_before"], s["n_from"]]})
+    spec = _pooled(res, SPEC)
+    if spec:
+        figures["continuation depth-1 top-1 by position"] = {b: v["top1"] for b, v in spec["by_position"].items()}
+    why = f"depth-1 agreement falls {drop:.3f} from positions < {s['max_length']} to >= {s['max_length']}"
+    return _verdict([why] if drop >= EFFECT else [], figures, why.replace("falls", "changes by"))
+
+
+def verdict_compounding(res: dict) -> dict:
+    """Compounding at depth >= 2: fed its own drafts and features, the head agrees less than it does
+    on the same tokens from the target's features (same steps, depths 1..d-1 agreed)."""
+    s = _pooled(res, SPEC)
+    if s is None:
+        return {"verdict": "not measured", "figures": {}}
+    own, true = s["tf_alpha"][1:], s["tf_alpha_true_features"][1:]
+    drops = [t - o for o, t in zip(own, true) if o is not None and t is not None]
+    mean = sum(drops) / len(drops) if drops else None
+    figures = {"tf_alpha (own drafts)": s["tf_alpha"], "same tokens from true features": s["tf_alpha_true_features"],
+               "mean drop at depth >= 2": mean}
+    if mean is None:
+        return {"verdict": "not measured", "figures": figures}
+    why = f"at depth 2..{len(s['tf_alpha'])} its own features cost {mean:.3f} agreement on average"
+    return _verdict([why] if mean >= EFFECT else [], figures, why)
+
+
+def verdict_shift(res: dict) -> dict:
+    """Distribution shift: a category's teacher-forced depth-1 agreement lies SHIFT below the
+    held-aside prompts', on the continuation overall and within positions < max_length too."""
+    held = _pooled(res, HELD)
+    if held is None:
+        return {"verdict": "not measured", "why": "no held-aside prompts (--no-held-aside)", "figures": {}}
+    short = _short(held)
+    figures, low = {"held-aside depth-1 top-1": held["tf_top1"][0], "held-aside, positions < 512": short}, []
+    for cat, s in _groups(res).items():
+        if cat in (HELD, SPEC):
+            continue
+        gap, gap_short = held["tf_top1"][0] - s["tf_top1"][0], None
+        if short is not None and _short(s) is not None:
+            gap_short = short - _short(s)
+        figures[cat] = {"depth-1 top-1": s["tf_top1"][0], "gap": gap, "gap at positions < 512": gap_short}
+        if gap >= SHIFT and (gap_short is None or gap_short >= SHIFT):
+            low.append(f"{cat} ({gap:.3f} below)")
+    why = "teacher-forced depth-1 agreement low on " + ", ".join(low) if low else (
+        f"no category lies {SHIFT} below the held-aside prompts")
+    return _verdict([why] if low else [], figures, why)
+
+
+def _short(s: dict) -> float | None:
+    """Depth-1 continuation agreement at positions < 512 (the buckets below it, pooled)."""
+    parts = [v for b, v in s["by_position"].items() if not b.startswith(">") and int(b.split("-")[1]) <= 512]
+    n = sum(v["n"] for v in parts)
+    return sum(v["top1"] * v["n"] for v in parts) / n if n else None
+
+
+def _verdict(confirmed: list[str], figures: dict, otherwise: str) -> dict:
+    if confirmed:
+        return {"verdict": "confirmed", "why": "; ".join(confirmed), "figures": figures}
+    return {"verdict": "ruled out", "why": otherwise, "figures": figures}
+
+
+def _groups(res: dict) -> dict:
+    """The groups of the headline configuration (the served dtype's loop)."""
+    return res["configs"][res["headline"]]["loop"]
+
+
+def _pooled(res: dict, name: str, key: str | None = None):
+    s = _groups(res).get(name)
+    return s if s is None or key is None else s[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+
+
+def ordered(groups: dict) -> list[tuple[str, dict]]:
+    """Categories by name, then the Spec-Bench pool, then the held-aside prompts."""
+    return sorted(groups.items(), key=lambda kv: ({SPEC: 1, HELD: 2}.get(kv[0], 0), kv[0]))
+
+
+def print_tables(res: dict) -> None:
+    k = res["k"]
+    for dtype, cfg in res["configs"].items():
+        print(f"\n[{dtype}] teacher-forced (training features, {dtype} head) vs the loop, chain k={k}, T=0; "
+              f"oov = outside the draft vocabulary, tf1/tfk = depth-1 top-1/top-{res['topk']}")
+        print(f"{'group':<15}{'n':>3}{'len':>6}{'oov':>6}{'tf1':>7}{'tfk':>7}  " + f"tf alpha_1..{k}".ljust(6 * k + 1)
+              + f"loop alpha_1..{k}".ljust(6 * k + 1) + f"{'replay a1':>9}{'differ':>7}{'feat err':>9}{'tau':>6}")
+        for name, s in ordered(cfg["loop"]):
+            print(f"{name:<15}{s['prompts']:>3}{s['mean_prompt_tokens']:>6.0f}{_fmt(s['outside_draft_vocab']):>6}"
+                  f"{_fmt(s['tf_top1'][0]):>7}{_fmt(s['tf_topk'][0]):>7}  " + _row(s["tf_alpha"], k)
+                  + _row(s["loop_alpha"], k) + f"{_fmt(s['replay_alpha'][0]):>9}{_fmt(s['steps_differing']):>7}"
+                  f"{s['loop_feature_rel_error'] or 0:>9.1e}{s['loop_tau']:>6.2f}")
+        if cfg.get("train"):
+            print(f"  training numerics (fp32 weights, {cfg['autocast']} autocast): tf alpha_1..{k}; "
+                  f"same tokens at depth 1 from true features")
+            for name, s in ordered(cfg["train"]):
+                print(f"  {name:<15}" + _row(s["tf_alpha"], k) + _row(s["tf_alpha_true_features"], k))
+    print_positions(res)
+    print("\nverdicts:")
+    for name, v in res["verdict"].items():
+        print(f"  {name}: {v['verdict'].upper()} - {v.get('why', '')}")
+
+
+def _row(values, k: int) -> str:
+    return " ".join(f"{_fmt(v):>5}" for v in values).ljust(6 * k + 1)
+
+
+def print_positions(res: dict) -> None:
+    labels = [bucket_of(b) for b in BUCKETS]
+    print(f"\n[{res['headline']}] depth-1 top-1 by position of the drafted token (n): on the continuation | at every "
+          f"position, vs the target's top-1")
+    print(f"{'group':<15}" + "".join(f"{b:>15}" for b in labels) + " |" + "".join(f"{b:>15}" for b in labels))
+    cell = lambda d, b: f"{_fmt(d[b]['top1'])} ({d[b]['n']})" if b in d else "-"  # noqa: E731
+    for name, s in ordered(_groups(res)):
+        print(f"{name:<15}" + "".join(f"{cell(s['by_position'], b):>15}" for b in labels) + " |"
+              + "".join(f"{cell(s['context_by_position'], b):>15}" for b in labels))
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="a training run's output_dir (recipe.json, head/)")
+    p.add_argument("--head", help="head directory (default: RUN/head)")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench prompts with categories")
+    p.add_argument("--prepared", help="the recipe's prepared data directory (default: found from recipe.json)")
+    p.add_argument("--no-held-aside", dest="held_aside", action="store_false")
+    p.add_argument("--limit", type=int, help="prompts per category (and of the held-aside ones)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; the last is the headline")
+    p.add_argument("--k", type=int, default=4, help="chain length (depths)")
+    p.add_argument("--topk", type=int, default=4, help="the k of top-k agreement")
+    p.add_argument("--no-context", dest="context", action="store_false",
+                   help="skip depth-1 at every prompt position (faster; no long-context split)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "acceptance_gap.json"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = Path(args.run)
+    recipe = load_recipe(run / "recipe.json")  # JSON is YAML: the recipe as the run resolved it
+    head_dir = resolve_head_dir(args.head or str(run / "head"))
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    prompts = read_prompt_file(args.prompts)
+    if args.held_aside:
+        t = recipe.target
+        prompts += held_aside(recipe, load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype,
+                                                  trust_remote_code=t.trust_remote_code, transformer=False),
+                              args.prepared)
+    t0 = time.perf_counter()
+    configs = {}
+    for dtype in dtypes:
+        m = measure_dtype(args, recipe, head_dir, dtype, prompts, train_numerics=dtype == recipe.target.dtype,
+                          context=args.context and dtype == dtypes[-1])
+        configs[dtype] = {key: val for key, val in m.items() if key != "groups"}
+        configs[dtype].update({name: {g: t.to_dict() for g, t in tallies.items()}
+                               for name, tallies in m["groups"].items() if tallies})
+    res = {"what": "issue 20: where acceptance is lost off the training distribution (benchmarks/acceptance_gap.py)",
+           "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
+           "head": str(head_dir), "recipe": str(run / "recipe.json"), "prompts": args.prompts,
+           "k": args.k, "topk": args.topk, "max_new_tokens": args.max_new_tokens, "limit": args.limit,
+           "max_length": recipe.data.max_length, "headline": dtypes[-1],
+           "dtypes": dtype_facts(recipe, configs), "configs": configs,
+           "machine": {"cpu_flags": [f for f in CPU_FLAGS if f in _cpu_flags()], "threads": torch.get_num_threads(),
+                       "python": platform.python_version(), "torch": torch.__version__},
+           "seconds": time.perf_counter() - t0}
+    res["verdict"] = {"train_inference_mismatch": verdict_mismatch(res), "long_context": verdict_long_context(res),
+                      "compounding": verdict_compounding(res), "distribution_shift": verdict_shift(res)}
+    print_tables(res)
+    atomic_write(Path(args.out), json.dumps(res, indent=1, default=str))
+    print(f"\nwrote {args.out} ({res['seconds']:.0f} s)")
+    return 0
+
+
+def dtype_facts(recipe, configs: dict) -> dict:
+    """What dtype each stage ran its features and head in."""
+    tr = recipe.train
+    trained = next((c for c in configs.values() if c.get("train")), None)
+    return {"stored_features": f"{recipe.target.dtype} target, train.feature_storage {tr.feature_storage}",
+            "training_head": f"fp32 weights, train.autocast {tr.autocast}"
+                             + (f" -> {trained['autocast']}" if trained else ""),
+            "in_training_eval": f"{recipe.target.dtype} target, fp32 head weights, no autocast (Trainer.speculative_eval)",
+            "loop": {d: f"{c['target_dtype']} target and head (draftkit eval --dtype {d})" for d, c in configs.items()}}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
