@@ -97,47 +97,67 @@ def grouped(target, prompts, limit: int | None, k: int, max_new: int) -> list[di
 # ---------------------------------------------------------------------------------------------
 
 
-def measure_dtype(args, recipe, head_dir: Path, dtype: str, prompts, train_numerics: bool, context: bool) -> dict:
-    """Loop + teacher-forced tallies of every group in `dtype`: {"loop": {group: Tally}, "train": ...}.
-    context: also depth 1 at every prompt position (the headline dtype only: it costs a head call each)."""
-    from draftkit.train.deepspeed_config import head_autocast
+class Measure:
+    """One dtype's target, the head as `draftkit eval --dtype` runs it (cast to the target's dtype),
+    optionally the head as it trained (fp32 weights under train.autocast), and the chain loop."""
 
-    t = recipe.target
-    target = load_target(t.path, gguf_file=t.gguf_file, dtype=dtype, trust_remote_code=t.trust_remote_code)
-    head = load_head(head_dir, target).to(dtype=target.dtype).eval()  # as `draftkit eval --dtype` runs it
-    trained = load_head(head_dir, target).eval() if train_numerics else None  # fp32 weights, as in training
-    autocast = head_autocast(recipe.train, target.device)
-    drafter, kw = DraftSettings(mode="chain", k=args.k).decoder_args(head)
-    stops = stop_token_ids(target)
-    decoder = SpecDecoder(target, drafter, stop_ids=stops, **kw)
-    vocab = set(head.tree_vocab.tolist()) if getattr(head, "tree_vocab", None) is not None else None
-    groups: dict[str, dict[str, Tally]] = {"loop": {}, "train": {}}
-    items = grouped(target, prompts, args.limit, args.k, args.max_new_tokens)
+    def __init__(self, args, recipe, head_dir: Path, dtype: str, train_numerics: bool, context: bool):
+        from draftkit.train.deepspeed_config import head_autocast
+
+        t = recipe.target
+        self.args, self.recipe, self.context = args, recipe, context
+        self.target = load_target(t.path, gguf_file=t.gguf_file, dtype=dtype, trust_remote_code=t.trust_remote_code)
+        self.head = load_head(head_dir, self.target).to(dtype=self.target.dtype).eval()
+        self.trained = load_head(head_dir, self.target).eval() if train_numerics else None
+        self.autocast = head_autocast(recipe.train, self.target.device)
+        drafter, kw = DraftSettings(mode="chain", k=args.k).decoder_args(self.head)
+        self.stops = stop_token_ids(self.target)
+        self.decoder = SpecDecoder(self.target, drafter, stop_ids=self.stops, **kw)
+        vocab = getattr(self.head, "tree_vocab", None)  # the draft vocabulary's target ids, or None
+        self.vocab = set(vocab.tolist()) if vocab is not None else None
+        self.groups: dict[str, dict[str, Tally]] = {"loop": {}, "train": {}}
+
+    def prompt(self, it: dict) -> None:
+        """Loop, then teacher-forced on what the loop verified; counted in its group and the pool."""
+        a_, ids = self.args, it["ids"]
+        names = [it["category"]] + ([SPEC] if it["category"] != HELD else [])
+        trace = loop_trace(self.decoder, ids, a_.max_new_tokens)
+        feats, top1 = training_features(self.target, self.head.feature_layers, ids + trace.continuation,
+                                        self.recipe.train.feature_storage)
+        a = teacher_forced(self.head, ids, trace.continuation, feats, top1, a_.k, a_.topk, context=self.context)
+        err = trace.feature_error(feats, len(ids))
+        for name in names:
+            self.tally("loop", name, a_.k).add(a, self.vocab, trace, a_.max_new_tokens, self.stops, err)
+        if self.trained is not None:  # the same features, the head as it trained: depth 1 (a quarter of the cost)
+            b = teacher_forced(self.trained, ids, trace.continuation, feats, top1, 1, a_.topk,
+                               autocast=self.autocast, context=False)
+            for name in names:
+                self.tally("train", name, 1).add(b, self.vocab)
+
+    def tally(self, kind: str, name: str, k: int) -> Tally:
+        groups = self.groups[kind]
+        if name not in groups:
+            groups[name] = Tally(k, self.recipe.data.max_length)
+        return groups[name]
+
+    def facts(self) -> dict:
+        return {"target_dtype": str(self.target.dtype).removeprefix("torch."),
+                "autocast": str(self.autocast).removeprefix("torch.") if self.autocast else None,
+                "draft_vocab_size": len(self.vocab) if self.vocab is not None else None}
+
+
+def measure_dtype(args, recipe, head_dir: Path, dtype: str, prompts, train_numerics: bool, context: bool) -> dict:
+    """Every prompt in `dtype`: the facts, the seconds, and per kind ("loop", "train") and group the
+    Tally's figures. context: also depth 1 at every prompt position (a head call each)."""
+    m = Measure(args, recipe, head_dir, dtype, train_numerics, context)
+    items = grouped(m.target, prompts, args.limit, args.k, args.max_new_tokens)
     t0 = time.perf_counter()
     for n, it in enumerate(items):
-        names = [it["category"]] + ([SPEC] if it["category"] != HELD else [])
-        trace = loop_trace(decoder, it["ids"], args.max_new_tokens)
-        seq = it["ids"] + trace.continuation
-        feats, top1 = training_features(target, head.feature_layers, seq, recipe.train.feature_storage)
-        a = teacher_forced(head, it["ids"], trace.continuation, feats, top1, args.k, args.topk, context=context)
-        for name in names:
-            tally(groups["loop"], name, args, recipe).add(a, vocab, trace, args.max_new_tokens, stops,
-                                                          trace.feature_error(feats, len(it["ids"])))
-        if trained is not None:  # the same features, the head as it trained: depth 1 (a quarter of the cost)
-            b = teacher_forced(trained, it["ids"], trace.continuation, feats, top1, 1, args.topk,
-                               autocast=autocast, context=False)
-            for name in names:
-                tally(groups["train"], name, args, recipe, k=1).add(b, vocab)
+        m.prompt(it)
         print(f"  {dtype}: {n + 1}/{len(items)} prompts, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    return {"groups": groups, "target_dtype": str(target.dtype).removeprefix("torch."),
-            "autocast": str(autocast).removeprefix("torch.") if autocast else None,
-            "draft_vocab_size": len(vocab) if vocab is not None else None, "seconds": time.perf_counter() - t0}
-
-
-def tally(groups: dict[str, Tally], name: str, args, recipe, k: int | None = None) -> Tally:
-    if name not in groups:
-        groups[name] = Tally(k or args.k, recipe.data.max_length)
-    return groups[name]
+    out = {**m.facts(), "seconds": time.perf_counter() - t0}
+    out.update({kind: {g: t.to_dict() for g, t in tallies.items()} for kind, tallies in m.groups.items() if tallies})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,11 +394,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     configs = {}
     for dtype in dtypes:
-        m = measure_dtype(args, recipe, head_dir, dtype, prompts, train_numerics=dtype == recipe.target.dtype,
-                          context=args.context and dtype == dtypes[-1])
-        configs[dtype] = {key: val for key, val in m.items() if key != "groups"}
-        configs[dtype].update({name: {g: t.to_dict() for g, t in tallies.items()}
-                               for name, tallies in m["groups"].items() if tallies})
+        configs[dtype] = measure_dtype(args, recipe, head_dir, dtype, prompts,
+                                       train_numerics=dtype == recipe.target.dtype,
+                                       context=args.context and dtype == dtypes[-1])
     res = {"what": "issue 20: where acceptance is lost off the training distribution (benchmarks/acceptance_gap.py)",
            "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
            "head": str(head_dir), "recipe": str(run / "recipe.json"), "prompts": args.prompts,
