@@ -6,6 +6,8 @@
 2. The loop and the teacher-forced drafts agree step for step at T = 0 in fp32: at every root
    the loop visited, its accepted count equals the teacher-forced leading-agreement count (depth
    d fed the head's own drafts and features), and the replayed SpecStats equal the loop's exactly.
+3. Tally's counts on a hand-built Agreement; the benchmark's verdicts follow their own figures;
+   the benchmark end to end on a tiny chat target.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def setup():
     target = make_arch_target("llama")
     torch.manual_seed(0)
     head = build_head({"type": "eagle", "draft_vocab_size": 48}, target)
-    fit_on_greedy_continuations(target, head, steps=150, prompts=PROMPTS, new_tokens=NEW + K + 1, length=None)
+    fit_on_greedy_continuations(target, head, steps=80, prompts=PROMPTS, new_tokens=NEW + K + 1, length=None)
     return target, head.eval()
 
 
@@ -99,3 +101,69 @@ def test_tally_counts_a_hand_built_agreement():
     assert d["context_by_position"]["0-256"] == {"n": 254, "top1": 100 / 254}
     assert d["context_split"]["n_before"] == 254 and d["context_split"]["top1_from"] == 0.0
     assert d["outside_draft_vocab"] == 1 / 5 and d["target_top1_differs_from_continuation"] == 0.0
+
+
+def _group(tf1=0.5, loop_a1=0.5, replay_a1=0.5, oov=0.02, before=0.5, after=0.5, own=0.4, true=0.4):
+    """The figures of one group as the benchmark's verdicts read them."""
+    return {"tf_top1": [tf1], "loop_alpha": [loop_a1], "replay_alpha": [replay_a1], "steps_differing": 0.0,
+            "loop_feature_rel_error": 0.0, "outside_draft_vocab": oov, "tf_alpha": [tf1, own, own],
+            "tf_alpha_true_features": [tf1, true, true], "by_position": {"0-256": {"n": 10, "top1": tf1}},
+            "context_split": {"max_length": 512, "n_before": 10, "top1_before": before, "n_from": 10,
+                              "top1_from": after}}
+
+
+def test_verdicts_follow_the_figures():
+    """Each hypothesis is confirmed exactly when its own figure crosses the threshold."""
+    from benchmarks import acceptance_gap as gap
+
+    def verdicts(spec=None, held=None, cat=None, train_tf1=0.5):
+        groups = {"qa": cat or _group(), gap.SPEC: spec or _group(), gap.HELD: held or _group()}
+        res = {"headline": "bfloat16", "configs": {"bfloat16": {
+            "loop": groups, "train": {gap.SPEC: {"tf_top1": [train_tf1]}}, "autocast": "bfloat16"}}}
+        return {name: v["verdict"] for name, v in (
+            ("mismatch", gap.verdict_mismatch(res)), ("long", gap.verdict_long_context(res)),
+            ("compounding", gap.verdict_compounding(res)), ("shift", gap.verdict_shift(res)))}
+
+    out = "ruled out"
+    assert verdicts() == {"mismatch": out, "long": out, "compounding": out, "shift": out}
+    assert verdicts(spec=_group(loop_a1=0.3, replay_a1=0.5))["mismatch"] == "confirmed"
+    assert verdicts(train_tf1=0.6)["mismatch"] == "confirmed"
+    assert verdicts(spec=_group(oov=0.2))["mismatch"] == "confirmed"
+    assert verdicts(spec=_group(before=0.5, after=0.3)) == {"mismatch": out, "long": "confirmed",
+                                                             "compounding": out, "shift": out}
+    assert verdicts(spec=_group(own=0.3, true=0.6))["compounding"] == "confirmed"
+    assert verdicts(cat=_group(tf1=0.2))["shift"] == "confirmed"
+
+
+def test_benchmark_runs_end_to_end(tmp_path):
+    """benchmarks/acceptance_gap.py on a tiny chat target: the loop it reports is the one its
+    teacher-forced replay reproduces (fp32), every verdict is computed."""
+    import json
+
+    from benchmarks.acceptance_gap import main
+    from draftkit.distill.shards import shard_name, write_manifest, write_shard
+    from tests.test_evaluate import FIXTURES, chat_target
+
+    target = chat_target()
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    run = tmp_path / "run"
+    build_head({"type": "eagle", "draft_vocab_size": 64}, target).save_pretrained(run / "head")
+    recipe = {"target": {"path": str(tmp_path / "target"), "dtype": "float32"}, "head": {"type": "eagle"},
+              "data": {"max_length": 16}}
+    (run / "recipe.json").write_text(json.dumps(recipe))
+    prep = tmp_path / "prepared"
+    prep.mkdir()
+    row = {"id": "h0", "category": None, "messages": [{"role": "user", "content": "Say hello."}], "target_text": [],
+           "response": "", "truncated": False, "num_tokens": 0, "input_ids": [5, 6], "loss_mask": [0, 1]}
+    entry = write_shard(prep / shard_name("holdout", 0, 1), [row])
+    write_manifest(prep, {"fingerprint": "x", "splits": {"train": [], "holdout": [entry]}, "stats": {}})
+    out = tmp_path / "gap.json"
+    assert main(["--run", str(run), "--prepared", str(prep), "--prompts", str(FIXTURES / "data" / "mtbench.jsonl"),
+                 "--max-new-tokens", "6", "--dtypes", "float32", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    loop = res["configs"]["float32"]["loop"]
+    assert set(loop) == {"writing", "math", "spec-bench", "held-aside"} and loop["held-aside"]["prompts"] == 1
+    assert loop["spec-bench"]["steps_differing"] == 0 and loop["spec-bench"]["replay_alpha"] == loop["spec-bench"]["loop_alpha"]
+    assert res["configs"]["float32"]["train"]["spec-bench"]["prompts"] == 2
+    assert {v["verdict"] for v in res["verdict"].values()} <= {"confirmed", "ruled out", "not measured"}
