@@ -187,7 +187,8 @@ def verdict_mismatch(res: dict) -> dict:
     spec, held = _pooled(res, SPEC), _pooled(res, HELD)
     if spec is not None:
         oov_held = held["outside_draft_vocab"] if held else 0.0
-        tested["Spec-Bench - held-aside tokens outside the draft vocabulary"] = _minus(spec["outside_draft_vocab"], oov_held)
+        tested["Spec-Bench - held-aside tokens outside the draft vocabulary"] = _minus(
+            spec["outside_draft_vocab"], oov_held)
         figures["outside the draft vocabulary"] = {c: g["outside_draft_vocab"] for c, g in ordered(_groups(res))}
     confirmed = [f"{name} {v:.3f}" for name, v in tested.items() if v is not None and v >= EFFECT]
     said = "; ".join(f"{name} {_fmt(v)}" for name, v in tested.items())
@@ -204,7 +205,8 @@ def verdict_long_context(res: dict) -> dict:
                 "figures": figures}
     drop = s["top1_before"] - s["top1_from"]
     figures.update({"depth-1 vs target top-1 before max_length": s["top1_before"],
-                    "from max_length on": s["top1_from"], "drop": drop, "positions before / from": [s["n_before"], s["n_from"]]})
+                    "from max_length on": s["top1_from"], "drop": drop,
+                    "positions before / from": [s["n_before"], s["n_from"]]})
     spec = _pooled(res, SPEC)
     if spec:
         figures["continuation depth-1 top-1 by position"] = {b: v["top1"] for b, v in spec["by_position"].items()}
@@ -331,7 +333,8 @@ def print_tables(res: dict) -> None:
     for dtype, g in res.get("gap", {}).items():
         print(f"\n[{dtype}] held-aside vs Spec-Bench: loop alpha_1 {_fmt(g['loop_alpha_1'][0])} vs "
               f"{_fmt(g['loop_alpha_1'][1])} (gap {_fmt(g['gap_loop_alpha_1'])}), teacher-forced depth-1 "
-              f"{_fmt(g['tf_top1_depth1'][0])} vs {_fmt(g['tf_top1_depth1'][1])} (gap {_fmt(g['gap_tf_top1_depth1'])}), "
+              f"{_fmt(g['tf_top1_depth1'][0])} vs {_fmt(g['tf_top1_depth1'][1])} "
+              f"(gap {_fmt(g['gap_tf_top1_depth1'])}), "
               f"tau {g['loop_tau'][0]:.2f} vs {g['loop_tau'][1]:.2f}")
     print("\nverdicts:")
     for name, v in res["verdict"].items():
@@ -422,7 +425,8 @@ def dtype_facts(recipe, configs: dict) -> dict:
     return {"stored_features": f"{recipe.target.dtype} target, train.feature_storage {tr.feature_storage}",
             "training_head": f"fp32 weights, train.autocast {tr.autocast}"
                              + (f" -> {trained['autocast']}" if trained else ""),
-            "in_training_eval": f"{recipe.target.dtype} target, fp32 head weights, no autocast (Trainer.speculative_eval)",
+            "in_training_eval": f"{recipe.target.dtype} target, fp32 head weights, no autocast "
+                                "(Trainer.speculative_eval)",
             "loop": {d: f"{c['target_dtype']} target and head (draftkit eval --dtype {d})" for d, c in configs.items()}}
 
 

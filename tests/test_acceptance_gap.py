@@ -164,6 +164,7 @@ def test_benchmark_runs_end_to_end(tmp_path):
     res = json.loads(out.read_text())
     loop = res["configs"]["float32"]["loop"]
     assert set(loop) == {"writing", "math", "spec-bench", "held-aside"} and loop["held-aside"]["prompts"] == 1
-    assert loop["spec-bench"]["steps_differing"] == 0 and loop["spec-bench"]["replay_alpha"] == loop["spec-bench"]["loop_alpha"]
+    spec = loop["spec-bench"]
+    assert spec["steps_differing"] == 0 and spec["replay_alpha"] == spec["loop_alpha"]
     assert res["configs"]["float32"]["train"]["spec-bench"]["prompts"] == 2
     assert {v["verdict"] for v in res["verdict"].values()} <= {"confirmed", "ruled out", "not measured"}
