@@ -70,12 +70,25 @@ def held_aside(recipe, target, prepared: str | None) -> list:
     out = Path(prepared).expanduser() if prepared else finished(
         recipe, target, recipe.samples_needed(recipe.train.micro_batch_size * recipe.train.grad_accum))
     if out is None:
-        sys.exit("the recipe's prepared data (stage 1) is not in the cache for these settings: pass "
-                 "--prepared DIR (a directory under ~/.cache/draftkit/data/prepared/) or --no-held-aside")
+        sys.exit("the recipe's prepared data (stage 1) is not in the cache for these settings (written by another "
+                 "draftkit?): pass --prepared DIR or --no-held-aside; finished ones: " + "; ".join(_candidates(recipe)))
     prompts = as_prompts(load_prepared(out).holdout_prompts)
     for p in prompts:
         p.category = HELD
     return prompts
+
+
+def _candidates(recipe) -> list[str]:
+    """Finished prepared directories in the recipe's cache, with what their manifests say."""
+    from draftkit.distill.prepare import prepared_dir
+
+    root = prepared_dir(recipe, "x").parent
+    found = []
+    for manifest in sorted(root.glob("*/manifest.json"), key=lambda p: p.stat().st_mtime):
+        m = json.loads(manifest.read_text())
+        found.append(f"{manifest.parent} ({m.get('num_samples')} samples, loss_on {m.get('loss_on')}, "
+                     f"{m.get('stats', {}).get('holdout')} held aside)")
+    return found or ["none"]
 
 
 def grouped(target, prompts, limit: int | None, k: int, max_new: int) -> list[dict]:
