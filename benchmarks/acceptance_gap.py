@@ -92,17 +92,17 @@ def _candidates(recipe) -> list[str]:
 
 
 def grouped(target, prompts, limit: int | None, k: int, max_new: int) -> list[dict]:
-    """Tokenized prompts (evaluate's rule: those that do not fit are skipped), --limit per group."""
+    """Tokenized prompts (evaluate's rule: those that do not fit are skipped), at most `limit` per
+    group, in round-robin order over the groups (so a run cut short by --budget-s covers each alike)."""
     items, skipped = _prepare(target, prompts, k, max_new)
     for s in skipped:
         print(f"skipped {s['id']}: {s['reason']}", file=sys.stderr)
-    seen: dict[str, int] = {}
-    out = []
+    by_group: dict[str, list[dict]] = {}
     for it in items:
-        seen[it["category"]] = seen.get(it["category"], 0) + 1
-        if limit is None or seen[it["category"]] <= limit:
-            out.append(it)
-    return out
+        by_group.setdefault(it["category"], []).append(it)
+    rounds = max(map(len, by_group.values()), default=0)
+    rounds = rounds if limit is None else min(rounds, limit)
+    return [g[i] for i in range(rounds) for g in by_group.values() if i < len(g)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,16 +159,22 @@ class Measure:
                 "draft_vocab_size": len(self.vocab) if self.vocab is not None else None}
 
 
-def measure_dtype(args, recipe, head_dir: Path, dtype: str, prompts, train_numerics: bool, context: bool) -> dict:
-    """Every prompt in `dtype`: the facts, the seconds, and per kind ("loop", "train") and group the
-    Tally's figures. context: also depth 1 at every prompt position (a head call each)."""
+def measure_dtype(args, recipe, head_dir: Path, dtype: str, prompts, train_numerics: bool, context: bool,
+                  budget_s: float | None = None) -> dict:
+    """The prompts in `dtype` (no new one after budget_s seconds): the facts, the seconds, and per
+    kind ("loop", "train") and group the Tally's figures. context: also depth 1 at every prompt
+    position (a head call each)."""
     m = Measure(args, recipe, head_dir, dtype, train_numerics, context)
     items = grouped(m.target, prompts, args.limit, args.k, args.max_new_tokens)
-    t0 = time.perf_counter()
-    for n, it in enumerate(items):
+    t0, done = time.perf_counter(), 0
+    for it in items:
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            print(f"  {dtype}: --budget-s spent: stopped after {done} of {len(items)} prompts", file=sys.stderr)
+            break
         m.prompt(it)
-        print(f"  {dtype}: {n + 1}/{len(items)} prompts, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    out = {**m.facts(), "seconds": time.perf_counter() - t0}
+        done += 1
+        print(f"  {dtype}: {done}/{len(items)} prompts, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    out = {**m.facts(), "seconds": time.perf_counter() - t0, "prompts_done": done, "prompts_planned": len(items)}
     out.update({kind: {g: t.to_dict() for g, t in tallies.items()} for kind, tallies in m.groups.items() if tallies})
     return out
 
@@ -324,7 +330,8 @@ def ordered(groups: dict) -> list[tuple[str, dict]]:
 def print_tables(res: dict) -> None:
     k = res["k"]
     for dtype, cfg in res["configs"].items():
-        print(f"\n[{dtype}] teacher-forced (training features, {dtype} head) vs the loop, chain k={k}, T=0; "
+        print(f"\n[{dtype}] {cfg['prompts_done']} of {cfg['prompts_planned']} prompts in {cfg['seconds']:.0f} s: "
+              f"teacher-forced (training features, {dtype} head) vs the loop, chain k={k}, T=0; "
               f"oov = outside the draft vocabulary, tf1/tfk = depth-1 top-1/top-{res['topk']}")
         print(f"{'group':<15}{'n':>3}{'len':>6}{'oov':>6}{'tf1':>7}{'tfk':>7}  " + f"tf alpha_1..{k}".ljust(6 * k + 1)
               + f"loop alpha_1..{k}".ljust(6 * k + 1) + f"{'replay a1':>9}{'differ':>7}{'feat err':>9}{'tau':>6}")
@@ -388,6 +395,9 @@ def parse_args(argv):
     p.add_argument("--topk", type=int, default=4, help="the k of top-k agreement")
     p.add_argument("--no-context", dest="context", action="store_false",
                    help="skip depth-1 at every prompt position (faster; no long-context split)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds for the whole run: each dtype gets an equal share of what is left and starts "
+                        "no prompt after it (prompts go round-robin over the groups; the JSON says how many ran)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "acceptance_gap.json"))
     return p.parse_args(argv)
@@ -409,14 +419,16 @@ def main(argv=None) -> int:
                               args.prepared)
     t0 = time.perf_counter()
     configs = {}
-    for dtype in dtypes:
+    for i, dtype in enumerate(dtypes):
+        left = None if args.budget_s is None else (args.budget_s - (time.perf_counter() - t0)) / (len(dtypes) - i)
         configs[dtype] = measure_dtype(args, recipe, head_dir, dtype, prompts,
                                        train_numerics=dtype == recipe.target.dtype,
-                                       context=args.context and dtype == dtypes[-1])
+                                       context=args.context and dtype == dtypes[-1], budget_s=left)
     res = {"what": "issue 20: where acceptance is lost off the training distribution (benchmarks/acceptance_gap.py)",
            "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
            "head": str(head_dir), "recipe": str(run / "recipe.json"), "prompts": args.prompts,
            "k": args.k, "topk": args.topk, "max_new_tokens": args.max_new_tokens, "limit": args.limit,
+           "budget_s": args.budget_s,
            "max_length": recipe.data.max_length, "headline": dtypes[-1],
            "dtypes": dtype_facts(recipe, configs), "configs": configs,
            "machine": {"cpu_flags": [f for f in CPU_FLAGS if f in _cpu_flags()], "threads": torch.get_num_threads(),
