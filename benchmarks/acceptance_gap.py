@@ -396,8 +396,9 @@ def parse_args(argv):
     p.add_argument("--no-context", dest="context", action="store_false",
                    help="skip depth-1 at every prompt position (faster; no long-context split)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="wall seconds for the whole run: each dtype gets an equal share of what is left and starts "
-                        "no prompt after it (prompts go round-robin over the groups; the JSON says how many ran)")
+                   help="wall seconds for the whole run: each dtype gets a share of what is left (the headline "
+                        "twice the others') and starts no prompt after it (prompts go round-robin over the groups; "
+                        "the JSON says how many ran)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "acceptance_gap.json"))
     return p.parse_args(argv)
@@ -420,7 +421,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     configs = {}
     for i, dtype in enumerate(dtypes):
-        left = None if args.budget_s is None else (args.budget_s - (time.perf_counter() - t0)) / (len(dtypes) - i)
+        weights = [2 if d == dtypes[-1] else 1 for d in dtypes[i:]]  # the headline does more per prompt
+        left = None if args.budget_s is None else (
+            (args.budget_s - (time.perf_counter() - t0)) * weights[0] / sum(weights))
         configs[dtype] = measure_dtype(args, recipe, head_dir, dtype, prompts,
                                        train_numerics=dtype == recipe.target.dtype,
                                        context=args.context and dtype == dtypes[-1], budget_s=left)
