@@ -412,6 +412,7 @@ def main(argv=None) -> int:
     recipe = load_recipe(run / "recipe.json")  # JSON is YAML: the recipe as the run resolved it
     head_dir = resolve_head_dir(args.head or str(run / "head"))
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    trained_dtype = training_dtype(recipe, head_dir)
     prompts = read_prompt_file(args.prompts)
     if args.held_aside:
         t = recipe.target
@@ -425,7 +426,7 @@ def main(argv=None) -> int:
         left = None if args.budget_s is None else (
             (args.budget_s - (time.perf_counter() - t0)) * weights[0] / sum(weights))
         configs[dtype] = measure_dtype(args, recipe, head_dir, dtype, prompts,
-                                       train_numerics=dtype == recipe.target.dtype,
+                                       train_numerics=dtype == trained_dtype,
                                        context=args.context and dtype == dtypes[-1], budget_s=left)
     res = {"what": "issue 20: where acceptance is lost off the training distribution (benchmarks/acceptance_gap.py)",
            "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
@@ -433,7 +434,7 @@ def main(argv=None) -> int:
            "k": args.k, "topk": args.topk, "max_new_tokens": args.max_new_tokens, "limit": args.limit,
            "budget_s": args.budget_s,
            "max_length": recipe.data.max_length, "headline": dtypes[-1],
-           "dtypes": dtype_facts(recipe, configs), "configs": configs,
+           "dtypes": dtype_facts(recipe, trained_dtype, configs), "configs": configs,
            "machine": {"cpu_flags": [f for f in CPU_FLAGS if f in _cpu_flags()], "threads": torch.get_num_threads(),
                        "python": platform.python_version(), "torch": torch.__version__},
            "seconds": time.perf_counter() - t0}
@@ -446,14 +447,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def dtype_facts(recipe, configs: dict) -> dict:
+def training_dtype(recipe, head_dir: Path) -> str:
+    """The target dtype the head trained against: what the trainer wrote into its config.json, else
+    the recipe's target.dtype as `auto` resolves it here."""
+    from draftkit.heads.base import read_head_config
+    from draftkit.target import resolve_dtype
+
+    return read_head_config(head_dir).get("training_dtype") or resolve_dtype(recipe.target.dtype)[0]
+
+
+def dtype_facts(recipe, trained_dtype: str, configs: dict) -> dict:
     """What dtype each stage ran its features and head in."""
     tr = recipe.train
     trained = next((c for c in configs.values() if c.get("train")), None)
-    return {"stored_features": f"{recipe.target.dtype} target, train.feature_storage {tr.feature_storage}",
+    return {"stored_features": f"{trained_dtype} target, train.feature_storage {tr.feature_storage}",
             "training_head": f"fp32 weights, train.autocast {tr.autocast}"
                              + (f" -> {trained['autocast']}" if trained else ""),
-            "in_training_eval": f"{recipe.target.dtype} target, fp32 head weights, no autocast "
+            "in_training_eval": f"{trained_dtype} target, fp32 head weights, no autocast "
                                 "(Trainer.speculative_eval)",
             "loop": {d: f"{c['target_dtype']} target and head (draftkit eval --dtype {d})" for d, c in configs.items()}}
 

@@ -148,8 +148,9 @@ def test_benchmark_runs_end_to_end(tmp_path):
     target.model.save_pretrained(tmp_path / "target")
     target.tokenizer.save_pretrained(tmp_path / "target")
     run = tmp_path / "run"
-    build_head({"type": "eagle", "draft_vocab_size": 64}, target).save_pretrained(run / "head")
-    recipe = {"target": {"path": str(tmp_path / "target"), "dtype": "float32"}, "head": {"type": "eagle"},
+    head = build_head({"type": "eagle", "draft_vocab_size": 64}, target)
+    head.save_pretrained(run / "head", extra={"training_dtype": "float32"})  # as the trainer writes it
+    recipe = {"target": {"path": str(tmp_path / "target"), "dtype": "auto"}, "head": {"type": "eagle"},
               "data": {"max_length": 16}}
     (run / "recipe.json").write_text(json.dumps(recipe))
     prep = tmp_path / "prepared"
@@ -166,5 +167,5 @@ def test_benchmark_runs_end_to_end(tmp_path):
     assert set(loop) == {"writing", "math", "spec-bench", "held-aside"} and loop["held-aside"]["prompts"] == 1
     spec = loop["spec-bench"]
     assert spec["steps_differing"] == 0 and spec["replay_alpha"] == spec["loop_alpha"]
-    assert res["configs"]["float32"]["train"]["spec-bench"]["prompts"] == 2
+    assert res["configs"]["float32"]["train"]["spec-bench"]["prompts"] == 2  # the head as trained: fp32 here
     assert {v["verdict"] for v in res["verdict"].values()} <= {"confirmed", "ruled out", "not measured"}
