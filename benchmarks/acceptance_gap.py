@@ -1,7 +1,7 @@
 """Why a head's acceptance halves off its training distribution (issue 20): one run that separates
 the hypotheses, on the Spec-Bench dev prompts per category and the recipe's held-aside prompts.
 
-    python benchmarks/acceptance_gap.py --run runs/eagle                      # the recipe's head
+    python benchmarks/acceptance_gap.py --run runs/eagle --budget-s 840       # the recipe's head, <= 15 min
     python benchmarks/acceptance_gap.py --run runs/quick --limit 2 --max-new-tokens 32 \\
         --prepared ~/.cache/draftkit/data/prepared/<fingerprint>              # a quick look
 
@@ -10,9 +10,10 @@ For every prompt and every --dtypes entry (target and head in that dtype, as `dr
 step by step: inference/agreement.py loop_trace). On the continuation it verified, the head is then
 teacher-forced with the TRAINING features (one target forward through train/data.py's
 FeatureStore, the recipe's feature storage round trip), drafting k from every position and
-feeding its own drafts from depth 2 on, as the loop does (agreement.teacher_forced). Where the
-target dtype is the recipe's, the head is also teacher-forced as it trained: fp32 weights under
-the recipe's train.autocast ("train" numerics). Counted per group (agreement.Tally):
+feeding its own drafts from depth 2 on, as the loop does (agreement.teacher_forced). In the dtype
+the head trained against (its config.json's training_dtype), the head is also teacher-forced as it
+trained: fp32 weights under the recipe's train.autocast ("train" numerics, depth 1). The last
+--dtypes entry is the headline (context positions, the verdicts). Counted per group (agreement.Tally):
 
 - teacher-forced top-1 / top-k agreement by depth 1..k, and alpha_d = agreement at depth d given
   depths 1..d-1 agreed (the steps a loop reaches depth d in), beside the same tokens drafted at
