@@ -120,7 +120,8 @@ def test_block_loss_equals_a_hand_computation(target):
     got = head.loss(f)
     with torch.no_grad():
         p_target = torch.log_softmax(target.lm_head(f.final_hidden).float(), -1)  # (3, T, V)
-    num = den = hits = firsts = 0.0
+    num = den = 0.0
+    hits, rows = [0.0] * B, [0] * B
     for n in range(3):
         T = int(attn[n].sum())
         for a in range(1, T - 1):
@@ -137,11 +138,39 @@ def test_block_loss_equals_a_hand_computation(target):
                 kl = (p_target[n, a + i - 1].exp() * (p_target[n, a + i - 1] - logq)).sum()
                 w = math.exp(-(i - 1) / gamma)
                 num, den = num + w * kl, den + w
-                if i == 1:
-                    firsts += 1
-                    hits += float(logq.argmax() == p_target[n, a].argmax())
+                rows[i] += 1
+                hits[i] += float(logq.argmax() == p_target[n, a + i - 1].argmax())
     torch.testing.assert_close(got["loss"], torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-6)
-    assert got["tokens"].item() == firsts and got["acc"].item() == pytest.approx(hits / firsts)
+    assert got["tokens"].item() == rows[1] and got["acc"].item() == pytest.approx(hits[1] / rows[1])
+    for i in range(1, B):  # agreement per block position, on the rows that position has
+        assert got[f"tokens_{i}"].item() == rows[i] and got[f"acc_{i}"].item() == pytest.approx(hits[i] / rows[i])
+    assert rows[B - 1] < rows[1]  # fewer rows at the far positions: the counts differ per position
+
+
+def test_heldout_agreement_per_block_position(target):
+    """The trainer's held-aside sums (train/loop.py heldout_sums with the head's agreement_positions),
+    one sample per micro-batch, give each position's agreement over ALL held-aside rows of that
+    position: what one forward over every sample at once measures (eval mode takes every anchor)."""
+    from draftkit.train.loop import heldout_sums
+
+    head = head_for(target)
+    ids, attn, lm = batch(target, B=3, T=10, seed=6)
+    samples = [{"input_ids": ids[n, :int(attn[n].sum())].tolist(), "loss_mask": lm[n, :int(attn[n].sum())].tolist()}
+               for n in range(3)]
+
+    def forward(chunk):
+        L = max(len(s["input_ids"]) for s in chunk)
+        pad = lambda key: torch.tensor([s[key] + [0] * (L - len(s[key])) for s in chunk])  # noqa: E731
+        a = torch.tensor([[1] * len(s["input_ids"]) + [0] * (L - len(s["input_ids"])) for s in chunk])
+        return head.loss(target.features(pad("input_ids"), a, head.feature_layers, pad("loss_mask"), top1=True))
+
+    assert head.agreement_positions == tuple(range(1, B))
+    loss, acc, n, *per = heldout_sums(forward, samples, micro=1, positions=head.agreement_positions).tolist()
+    whole = head.loss(target.features(ids, attn, head.feature_layers, lm, top1=True))
+    assert n == whole["tokens"].item() and acc / n == pytest.approx(whole["acc"].item())
+    for j, i in enumerate(head.agreement_positions):
+        assert per[2 * j + 1] == whole[f"tokens_{i}"].item()
+        assert per[2 * j] / per[2 * j + 1] == pytest.approx(whole[f"acc_{i}"].item())
 
 
 def test_training_anchors_follow_the_rules(target):

@@ -328,10 +328,17 @@ class DFlashHead(DraftVocab, DraftHead):
         # Eq. 4's weight; rows whose target top-1 lies outside a draft vocabulary are left out (EAGLE-3)
         w = torch.tensor(c.position_weights(), device=ids.device)[pos] * self.t2d[top].float()
         hit = (self.draft_ids[guess] == top).float().detach()
-        metrics = {f"acc_{i}": hit[pos == i].sum() / (pos == i).sum().clamp(min=1) for i in range(1, c.block_size)}
-        first = pos == 1
+        metrics = {}
+        for i in self.agreement_positions:  # top-1 agreement per block position and the rows it counts
+            n = (pos == i).sum().float()
+            metrics[f"acc_{i}"], metrics[f"tokens_{i}"] = hit[pos == i].sum() / n.clamp(min=1), n
         return {"loss": (kl * w).sum() / w.sum().clamp(min=1e-6), **metrics, "acc": metrics["acc_1"],
-                "kl": kl.detach().sum() / max(kl.shape[0], 1), "tokens": first.sum().float()}
+                "kl": kl.detach().sum() / max(kl.shape[0], 1), "tokens": metrics["tokens_1"]}
+
+    @property
+    def agreement_positions(self) -> tuple[int, ...]:
+        """Block positions 1..B-1: the held-aside eval reports each one's agreement (heldout_acc_i)."""
+        return tuple(range(1, self.config.block_size))
 
     def teacher_logits(self, final: Tensor, top1: Tensor | None) -> tuple[Tensor, Tensor]:
         """The target's (M, N) logits over the draft vocabulary and its (M,) top-1, from its final hidden."""
