@@ -38,9 +38,13 @@ from the same single forward; the loop's tree walk verifies any tree losslessly.
 
 Mask embedding: the references embed the mask slots with the target's embedding row of a reserved
 `mask_token_id` (Qwen3 has spare rows; SmolLM2's 49152 rows are all tokens). Ours is a trained
-vector `mask_embedding` (H,), started from that row; vLLM takes it as `mask_embedding.pt` beside the
-weights (DFlashQwen3Model.has_separate_mask_embedding; it substitutes it wherever the input id is
-mask_token_id, so mask_token_id should be a token the text never produces: default V-1).
+vector `mask_embedding` (H,), started from that row (train_mask_embedding: false keeps it there);
+vLLM takes it as `mask_embedding.pt` beside the weights (DFlashQwen3Model.has_separate_mask_embedding).
+vLLM feeds every mask slot as the INPUT ID mask_token_id and substitutes the vector wherever an
+input id equals it, the anchor slot included: when the confirmed token is mask_token_id itself, vLLM
+embeds it as a mask where our loop embeds the token. Lossless either way (the target verifies), but
+acceptance drops there, so mask_token_id should be a token the text never holds: default V-1 (on
+SmolLM2 an ordinary BPE token; set head.mask_token_id to an unused id where the tokenizer has one).
 
 vLLM 0.32 layout (model_executor/models/qwen3_dflash.py, DFlashQwen3ForCausalLM, architecture
 "DFlashDraftModel"): config.json is a Qwen3 config of the draft (num_hidden_layers = our
@@ -87,6 +91,10 @@ class DFlashConfig(HeadConfig):
     # Token id whose embedding the mask slots carry (vLLM's dflash_config.mask_token_id); None =
     # the last id V-1. Ours is trained (mask_embedding), started from that row.
     mask_token_id: int | None = None
+    # false: keep mask_embedding frozen at the target's row of mask_token_id, the references'
+    # convention (z-lab, SpecForge, speculators embed the mask slots with the frozen embedding);
+    # needed for the speculators format, which has no separate mask vector.
+    train_mask_embedding: bool = True
     # Loss weight of block position i >= 1: exp(-(i-1)/gamma) (DFlash Eq. 4); None = all equal.
     loss_decay_gamma: float | None = 4.0
     # Blocks per sample per training step (SpecForge --num-anchors, default 512 at length 2048+).
@@ -210,7 +218,7 @@ class DFlashHead(DraftVocab, DraftHead):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config.layer_dims()) for _ in range(config.num_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(H))
+        self.mask_embedding = nn.Parameter(torch.zeros(H), requires_grad=config.train_mask_embedding)
         self.init_draft_vocab(config.draft_vocab_size or config.vocab_size, config.vocab_size)
         object.__setattr__(self, "_vocab_w", None)
         if shared is not None:
