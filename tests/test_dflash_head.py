@@ -110,6 +110,26 @@ def test_training_forward_equals_drafting(target):
         torch.testing.assert_close(got[1:2], want, rtol=1e-4, atol=1e-5)
 
 
+def test_engine_block_drafts_as_a_head_of_block_k_plus_1(target):
+    """engine_block (vLLM's rule: 1 + k query slots): the k drafts equal those of the same weights
+    with block_size k + 1, and differ from the full block's (bidirectional: every slot counts)."""
+    head = head_for(target)
+    f = feats_of(target, head, T=10)
+    small = build_head({"type": "dflash", "block_size": 3, "feature_layers": [1, 3]}, target).eval()
+    small.load_state_dict(head.state_dict())
+
+    def drafts(h, engine: bool):
+        seen = []
+        h.engine_block = engine
+        h.draft(h.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], torch.ones(3, 6, dtype=torch.bool), 2,
+                lambda logits: (seen.append(logits) or logits.argmax(-1), None))
+        h.engine_block = False
+        return torch.stack(seen)
+
+    torch.testing.assert_close(drafts(head, True), drafts(small, False), rtol=0, atol=0)
+    assert not torch.allclose(drafts(head, True), drafts(head, False), atol=1e-3)
+
+
 def test_block_loss_equals_a_hand_computation(target):
     """eval mode takes every anchor: loss = sum_{a,i} w_i KL(p_target(x_{a+i}) || p̂_{a,i}) / sum w,
     w_i = exp(-(i-1)/gamma), over a >= 1 with x_{a+1} a loss token and x_{a+i} a real loss token;

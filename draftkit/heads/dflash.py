@@ -210,6 +210,10 @@ class DFlashHead(DraftVocab, DraftHead):
     family = "dflash"
     config_class = DFlashConfig
     topk_teacher = True  # the final hidden state is only the label
+    # vLLM's rule: its DFlash proposer runs 1 + k query slots (the pending token and k masks,
+    # v1/spec_decode/dflash.py), not the trained B; with k < B - 1 its blocks are shorter and, the
+    # attention being bidirectional, its drafts differ. True drafts as vLLM does (the engine loop).
+    engine_block: bool = False
 
     def __init__(self, config: DFlashConfig, shared=None):
         super().__init__(config, shared)
@@ -264,22 +268,23 @@ class DFlashHead(DraftVocab, DraftHead):
         """(N, T, G*H) target features -> (N, T, H) the fused context c."""
         return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
 
-    def block_inputs(self, first_ids: Tensor) -> Tensor:
-        """(N, A) anchor tokens -> (N, A*B, H): each block [embed(x_a), m, ..., m]."""
+    def block_inputs(self, first_ids: Tensor, block: int) -> Tensor:
+        """(N, A) anchor tokens -> (N, A*block, H): each block [embed(x_a), m, ..., m]."""
         dtype = self.fc.weight.dtype
         N, A = first_ids.shape
-        x = self.mask_embedding.to(dtype).expand(N, A, self.config.block_size, -1).clone()
+        x = self.mask_embedding.to(dtype).expand(N, A, block, -1).clone()
         x[:, :, 0] = self.embed(first_ids, dtype)
-        return x.view(N, A * self.config.block_size, -1)
+        return x.view(N, A * block, -1)
 
     def run_blocks(self, first_ids: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
-                   ctx_visible: Tensor) -> Tensor:
-        """first_ids (N, A), positions (N, A*B) of the block slots, per-layer context K/V,
-        ctx_visible (N, A, S) -> (N, A*B, H) final-norm outputs."""
-        x = self.block_inputs(first_ids)
+                   ctx_visible: Tensor, block: int | None = None) -> Tensor:
+        """first_ids (N, A), positions (N, A*block) of the block slots, per-layer context K/V,
+        ctx_visible (N, A, S) -> (N, A*block, H) final-norm outputs. block: slots per block (B)."""
+        block = block or self.config.block_size
+        x = self.block_inputs(first_ids, block)
         cos, sin = self.cos_sin(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, ctx_visible, self.config.block_size)
+            x = layer(x, cos, sin, k, v, ctx_visible, block)
         return self.norm(x)
 
     # ---- training ----
@@ -379,9 +384,10 @@ class DFlashHead(DraftVocab, DraftHead):
                             f"{self.max_draft_tokens} tokens, asked for {k}")
         self.consume(state, feats, valid)
         pending = last_valid(next_tokens, valid)  # (B,) the newest token, not yet seen by the target
-        positions = state.next_pos[:, None] + torch.arange(self.config.block_size, device=pending.device)
+        block = k + 1 if self.engine_block else self.config.block_size
+        positions = state.next_pos[:, None] + torch.arange(block, device=pending.device)
         kv = [(c.k, c.v) for c in state.kv]
-        h = self.run_blocks(pending[:, None], positions, kv, state.slot_valid[:, None])  # (B, block, H)
+        h = self.run_blocks(pending[:, None], positions, kv, state.slot_valid[:, None], block)  # (B, block, H)
         return self.vocab_logits(h[:, 1:k + 1])
 
     @torch.no_grad()
