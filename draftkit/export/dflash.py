@@ -14,7 +14,11 @@ tokens and d2t (N,) the offsets (compute_logits: target id = draft id + d2t), dr
 The trained mask embedding goes to mask_embedding.pt ({"mask_token_id", "embedding"}, torch.save:
 _read_mask_embedding loads it with weights_only and substitutes it where the input id is the mask id),
 and, for the import back, into the weights as `mask_embedding` (vLLM loads it as model.mask_embedding,
-the same values). Import also reads published z-lab drafts (no mask_embedding, no contract): their
+the same values). vLLM feeds the mask slots as the input id dflash_config.mask_token_id and replaces
+EVERY input equal to it, the anchor (the newest confirmed token) included: the id should be one the
+text never holds (heads/dflash.py, mask_token_id). Serving: vLLM's DFlash proposer runs 1 +
+num_speculative_tokens query slots, so num_speculative_tokens = block_size - 1 serves the trained
+block; a smaller k serves a shorter one (DFlashHead.engine_block drafts the same way in our loop). Import also reads published z-lab drafts (no mask_embedding, no contract): their
 mask slots carry the target's embedding row of mask_token_id, which becomes our mask_embedding.
 """
 from __future__ import annotations
