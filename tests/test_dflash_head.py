@@ -495,7 +495,7 @@ def test_draft_auto_measures_a_dflash_head_within_its_block(tiny_target):
 
 
 @pytest.mark.integration
-def test_training_run_logs_heldout_agreement_per_block_position(tiny_model_dir, prompt_file, tmp_path):
+def test_training_run_logs_heldout_agreement_per_block_position(tiny_model_dir, prompt_file, tmp_path):  # noqa: F811
     """A DFlash training run (draftkit/train/run.py, DeepSpeed, one process) logs the held-aside
     agreement of every block position 1..B-1 beside the usual top-1, each a rate."""
     import json
