@@ -306,3 +306,43 @@ def test_inspect_prints_the_vllm_flags_measured_in_vllm(eagle_sweep, tmp_path):
     else:
         assert any(ln.startswith("vLLM: serve plain decoding") for ln in lines), lines
     assert any("not engine-measured (SGLang has no CPU path here)" in ln for ln in lines if "SGLang" in ln), lines
+
+
+def test_engine_draft_choice_reuses_a_saved_vllm_choice_in_order(tmp_path, capsys):
+    """--k wins; --draft auto takes the head's engine_draft, else --out/engine_draft.json measured for
+    the same head, target, dtype and device, else measures (None); calibrate always measures; a tree
+    shape is refused (vLLM serves chains); a saved plain choice is evaluated as its best chain."""
+    import argparse
+
+    from draftkit.engines.vllm_auto import ENGINE_DRAFT_FILE, choice_file, set_config_key
+    from draftkit.engines.vllm_eval import engine_draft_choice
+    from draftkit.inference.cli_eval import add_arguments
+    from tests.conftest import make_tiny_target
+
+    target = make_tiny_target()
+    head_dir, out = tmp_path / "head", tmp_path / "out"
+    build_head({"type": "eagle"}, target).save_pretrained(head_dir)
+    out.mkdir()
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+
+    def choice(*flags):
+        return engine_draft_choice(p.parse_args(["--engine", "vllm", "--head", str(head_dir), "--out", str(out),
+                                                 *flags]), head_dir, out, target)
+
+    assert choice() == (None, "measured now", None)  # nothing saved: measure
+    chain = {"vllm": {"choice": "chain", "num_speculative_tokens": 4, "best": {"k": 4}}}
+    (out / ENGINE_DRAFT_FILE).write_text(json.dumps(choice_file(chain, head_dir, target)))
+    assert choice()[:2] == (4, str(out / ENGINE_DRAFT_FILE))
+    other = make_tiny_target(seed=1)  # another target (fingerprint): not reused
+    (out / ENGINE_DRAFT_FILE).write_text(json.dumps(choice_file(chain, head_dir, other)))
+    assert choice()[0] is None and "another head, target" in capsys.readouterr().err
+    plain = {"vllm": {"choice": "plain", "num_speculative_tokens": None, "best": {"k": 2}}}
+    set_config_key(head_dir, plain)  # --save-draft's place: the head's own config.json
+    assert choice() == (2, str(head_dir / "config.json"), plain)
+    assert choice("--k", "5") == (5, "flags", None)
+    assert choice("--draft", "calibrate")[0] is None
+    assert choice("--draft-from", str(head_dir))[:2] == (2, str(head_dir))
+    for flags in (["--draft", "tree"], ["--tree-topk", "4"]):
+        with pytest.raises(ValueError, match="serves chains"):
+            choice(*flags)

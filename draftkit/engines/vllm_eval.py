@@ -262,9 +262,8 @@ def engine_draft_choice(args, head_dir: Path, out: Path, target) -> tuple[int | 
 
 def measure_engine_draft(args, target, export: Path, contract: dict, prompts, out: Path, python: str) -> dict:
     """--draft auto/calibrate: the sweep on calibration prompts (calibrate.py's spread and token cap),
-    written to --out/engine_draft.json and the served export's contract."""
-    from draftkit.engines.vllm_auto import (ENGINE_DRAFT_FILE, SweepSettings, choice_file, engine_auto, format_sweep,
-                                            set_config_key)
+    written to --out/engine_draft.json."""
+    from draftkit.engines.vllm_auto import ENGINE_DRAFT_FILE, SweepSettings, choice_file, engine_auto, format_sweep
     from draftkit.inference.calibrate import MAX_CALIBRATION_TOKENS, calibration_prompts
     from draftkit.inference.decoder import stop_token_ids
     from draftkit.inference.evaluate import _prepare
@@ -282,10 +281,8 @@ def measure_engine_draft(args, target, export: Path, contract: dict, prompts, ou
                          loop_budget_s=args.calibration_budget)
     engine_draft = {k: v for k, v in choice.items() if k != "sweep"}
     print(format_sweep(engine_draft), file=sys.stderr, flush=True)
-    head_dir = _head_dir(args.head)
-    atomic_write(out / ENGINE_DRAFT_FILE, json.dumps(choice_file(engine_draft, head_dir, target), indent=2, default=str))
-    if export.resolve() != head_dir.resolve():  # the export eval made: its contract carries the choice
-        set_config_key(export, engine_draft)
+    atomic_write(out / ENGINE_DRAFT_FILE, json.dumps(choice_file(engine_draft, _head_dir(args.head), target),
+                                                    indent=2, default=str))
     return engine_draft
 
 
@@ -321,6 +318,8 @@ def run_cli(args) -> int:
             source = f"measured now in vLLM (written to {out / 'engine_draft.json'})"
             v = engine_draft["vllm"]
             k = v["num_speculative_tokens"] or v["best"]["k"]
+        if engine_draft and export.resolve() != head_dir.resolve():  # the export eval made carries the choice
+            set_config_key(export, engine_draft)
         if args.save_draft:
             if not engine_draft:
                 raise ValueError("--save-draft with --engine vllm saves the chain measured in vLLM: use --draft "
