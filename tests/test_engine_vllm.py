@@ -241,14 +241,14 @@ def test_compare_at_t_gt_0_takes_a_position_one_side_never_reached_as_no_evidenc
 
 @pytest.fixture(scope="module")
 def eagle_sweep(world, engine_python):
-    """One worker process: vLLM plain and chains k = 1..3 of the fitted EAGLE head; plus the SGLang
+    """One worker process: vLLM plain and chains k = 1 and 3 of the fitted EAGLE head; plus the SGLang
     tree from our loop's calibration (a small budget)."""
     from draftkit.engines.vllm_auto import SweepSettings, engine_auto
     from draftkit.engines.vllm_eval import served_head, verifier_dir
 
     export = export_head(world["root"] / "eagle", "vllm", world["root"] / "eagle-sweep-vllm", target=world["target"])
     contract = json.loads((export / "config.json").read_text())["draftkit_contract"]
-    s = SweepSettings(ks=(1, 2, 3), max_new_tokens=N_NEW, batch_size=BATCH, ignore_eos=True, python=engine_python)
+    s = SweepSettings(ks=(1, 3), max_new_tokens=N_NEW, batch_size=BATCH, ignore_eos=True, python=engine_python)
     head = served_head(export, world["target"], world["root"] / "sweep-work")
     choice = engine_auto(world["target"], export, contract, verifier_dir(contract), world["prompts"], s, [], head=head,
                          loop_budget_s=10)
