@@ -141,7 +141,7 @@ def vllm_record(family: str, measured: dict, s: SweepSettings, n_prompts: int) -
            "method": FAMILY_METHOD[family], "choice": "chain" if chosen else "plain",
            "num_speculative_tokens": chosen["k"] if chosen else None, "plain_tok_s": plain,
            "plain_by_temperature": measured["plain"], "margin": s.margin,
-           "swept_k": f"{rows[0]['k']}..{rows[-1]['k']}" if len(rows) > 1 else str(rows[0]["k"]),
+           "swept_k": [r["k"] for r in rows],
            "best": summary(best), "sweep": [summary(r) for r in rows], **setup_about(s, n_prompts)}
     if chosen:
         one = summary(chosen)
