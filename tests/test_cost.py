@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -139,3 +141,88 @@ def test_inconsistent_profile_is_warned():
     wobbly = costs(0.1)
     wobbly.verify_ms[16] = 0.5 * wobbly.verify_ms[8]
     assert any("verify cost falls" in w for w in check_costs(wobbly))
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration searches only what the user left unset (draftkit eval --draft calibrate + size flags)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory):
+    """A saved tiny chat target (text prompts work) and an EAGLE head built against it."""
+    from tests.test_evaluate import chat_target
+
+    target, root = chat_target(), tmp_path_factory.mktemp("calibrate")
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    build_head({"type": "eagle"}, target).save_pretrained(root / "head")
+    return root
+
+
+def eval_cli(root, out, *flags):
+    from draftkit.cli import main as cli
+    from tests.test_evaluate import FIXTURES
+
+    return cli(["eval", "--head", str(root / "head"), "--target", str(root / "target"), "--prompts",
+                str(FIXTURES / "data" / "mtbench.jsonl"), "--max-new-tokens", "6", "--calibration-prompts", "1",
+                "--calibration-budget", "20", "--compare", "none", "--dtype", "float32", "--out", str(out), *flags])
+
+
+@pytest.mark.parametrize("flags, fixed, mode", [
+    (("--tree-topk", "2"), {"topk": 2}, "tree"),
+    (("--lookup-len", "6", "--tree-depth", "2"), {"lookup_len": 6, "depth": 2}, "hybrid"),
+    (("--tree-budget", "5", "--head-off-at", "4"), {"budget": 5, "head_off_at": 4}, "hybrid"),
+], ids=["topk", "lookup+depth", "budget+head_off"])
+def test_calibration_searches_only_the_fields_the_user_left_unset(chat_dirs, tmp_path, capsys, monkeypatch,
+                                                                    flags, fixed, mode):
+    """Every candidate simulated and every trace has the fixed values (and the implied mode); the
+    choice printed, written to draft.json and run is the ranking's first row, and its printed and
+    saved prediction is that row's (not another shape's with the flags pasted on afterwards)."""
+    from draftkit.inference import calibrate as calibrate_module, cost
+
+    seen, cals = [], []
+    real_predict, real_auto = cost.predict, calibrate_module.auto_draft
+    monkeypatch.setattr(cost, "predict", lambda tr, co, c: seen.append(c) or real_predict(tr, co, c))
+    monkeypatch.setattr(calibrate_module, "auto_draft",
+                        lambda *a, **k: (lambda out: cals.append(out[1]) or out)(real_auto(*a, **k)))
+    assert eval_cli(chat_dirs, tmp_path, "--draft", "calibrate", *flags) == 0
+    err = capsys.readouterr().err
+    assert seen and len(cals) == 1
+    for c in seen:
+        assert {f: getattr(c, f) for f in fixed} == fixed, c
+        assert c.topk > 0 and (c.lookup_len > 0) == (mode == "hybrid"), c
+    for tr in (t for trs in cals[0].traces.values() for t in trs):
+        for pos in tr.positions:
+            assert "topk" not in fixed or set(pos.ranked) == {fixed["topk"]}
+            assert "lookup_len" not in fixed or set(pos.branches) == {fixed["lookup_len"]}
+    best = cals[0].rows[0]
+    assert cals[0].choice == best["candidate"]  # a fixed mode never falls back to plain decoding
+    draft = json.loads((tmp_path / "draft.json").read_text())["draft"]
+    want = best["candidate"].settings(DraftSettings())
+    assert {f: draft[f] for f in ("mode", "topk", "depth", "budget", "head_off_at")} == \
+           {f: getattr(want, f) for f in ("mode", "topk", "depth", "budget", "head_off_at")}
+    assert mode != "hybrid" or draft["lookup_len"] == want.lookup_len
+    assert draft["mode"] == mode and {f: draft[f] for f in fixed} == fixed
+    assert draft["measured"]["predicted"] == best["by_temperature"]
+    assert draft["measured"]["fixed"] == {**fixed, "mode": mode}
+    line = next(ln for ln in err.splitlines() if ln.startswith("draft auto: ") and "(measured: " in ln)
+    p = best["by_temperature"]["0"]
+    assert line.startswith(f"draft auto: {DraftSettings.from_dict(draft).describe()}  (measured: predicted "
+                           f"T=0: tau {p['tau']:.2f}, {p['speedup']:.2f}x")
+    assert json.loads((tmp_path / "report.json").read_text())["draft"] == draft  # what ran
+
+
+def test_calibration_with_nothing_left_to_choose(chat_dirs, tmp_path, capsys, monkeypatch):
+    """--k fixes a whole chain: nothing is measured and the chain runs; an impossible combination
+    of fixed fields fails before measuring, naming them."""
+    from draftkit.inference import cli_eval
+
+    monkeypatch.setattr(cli_eval, "calibrate", lambda *a, **k: pytest.fail("calibration ran"))
+    assert eval_cli(chat_dirs, tmp_path / "k", "--draft", "calibrate", "--k", "3") == 0
+    rep = json.loads((tmp_path / "k" / "report.json").read_text())
+    assert (rep["draft"]["mode"], rep["draft"]["k"]) == ("chain", 3) and "nothing to calibrate" in rep["draft_source"]
+    monkeypatch.undo()
+    assert eval_cli(chat_dirs, tmp_path / "x", "--draft", "calibrate", "--tree-topk", "2", "--tree-depth", "1",
+                    "--tree-budget", "5") == 2
+    assert "no draft shape has topk=2, depth=1, budget=5 in mode tree" in capsys.readouterr().err

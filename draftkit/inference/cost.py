@@ -42,6 +42,7 @@ import torch
 from draftkit.inference.cache import TargetCache, left_pad
 from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators
 from draftkit.inference.tree import DraftTree, TreeShape, add_branches, tree_noise
@@ -352,12 +353,13 @@ def predict(traces: list[Trace], costs: Costs, c: Candidate) -> dict:
             "speedup": plain_ms / spec_ms if spec_ms else 0.0}
 
 
-def candidates(topks, max_depth: int, budgets=BUDGETS, lookup_lens=LOOKUP_LENS, head_off=HEAD_OFF) -> list[Candidate]:
-    """Every shape the traces can simulate: trees cut from each topk's pool (depth <= max_depth),
-    with and without lookup's branch, and lookup alone."""
-    out = [Candidate(0, 0, 0, L) for L in lookup_lens if L]
+def candidates(topks, max_depth: int, budgets=BUDGETS, lookup_lens=LOOKUP_LENS, head_off=HEAD_OFF,
+               depths=None, lookup_alone: bool = True) -> list[Candidate]:
+    """Every shape the traces can simulate: trees cut from each topk's pool (depth <= max_depth,
+    or the given depths), with and without lookup's branch, and lookup alone."""
+    out = [Candidate(0, 0, 0, L) for L in lookup_lens if L] if lookup_alone else []
     for k in topks:
-        for d in range(1, max_depth + 1):
+        for d in depths or range(1, max_depth + 1):
             for b in budgets:
                 if b > k + (d - 1) * k * k or (k == 1 and b != d):
                     continue
@@ -366,6 +368,66 @@ def candidates(topks, max_depth: int, budgets=BUDGETS, lookup_lens=LOOKUP_LENS, 
                         if off is None or off <= L:
                             out.append(Candidate(k, d, b, L, off))
     return out
+
+
+FIXABLE = ("topk", "depth", "budget", "lookup_len", "head_off_at")  # DraftSettings fields a flag can fix
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What calibration may choose from: the fields the user fixed (DraftSettings names, FIXABLE)
+    hold one value, the mode their flags imply ("tree": no lookup branch, "hybrid": head and
+    lookup; None: anything, lookup alone and plain decoding included); every other field ranges
+    over the defaults. Every candidate it yields, and so every one measured, has the fixed values."""
+
+    fixed: dict = field(default_factory=dict)
+    mode: str | None = None
+    topks: tuple = (1, 2, 4, 8)
+    max_depth: int = 6
+
+    def __post_init__(self):
+        bad = sorted(set(self.fixed) - set(FIXABLE))
+        if bad or self.mode not in (None, "tree", "hybrid"):
+            raise ValueError(f"calibration can fix {', '.join(FIXABLE)} in mode tree or hybrid, got {bad or self.mode}")
+
+    @property
+    def any_mode(self) -> bool:
+        """Nothing fixed: lookup alone and plain decoding may be chosen."""
+        return self.mode is None and not self.fixed
+
+    def axes(self, head_limit: int) -> dict:
+        """topks, depth (traced to), depths, budgets, lookup_lens, head_off of the search; head_limit:
+        the deepest tree the head drafts (a fixed depth beyond it is an error naming it)."""
+        f = self.fixed
+        if f.get("depth", 0) > head_limit:
+            raise SpecError(f"calibration: depth {f['depth']} was fixed but the head drafts at most {head_limit} levels")
+        depth = f.get("depth") or min(self.max_depth, head_limit)
+        if "lookup_len" in f:
+            lens = (f["lookup_len"],)
+        else:
+            lens = {"tree": (0,), "hybrid": tuple(L for L in LOOKUP_LENS if L)}.get(self.mode, LOOKUP_LENS)
+        if self.mode == "tree" and ("lookup_len" in f or "head_off_at" in f):
+            raise SpecError("calibration: mode tree has no lookup branch, but lookup_len/head_off_at were fixed")
+        return {"topks": (f["topk"],) if "topk" in f else tuple(self.topks), "depth": depth,
+                "depths": (depth,) if "depth" in f else None, "budgets": (f["budget"],) if "budget" in f else BUDGETS,
+                "lookup_lens": lens, "head_off": (f["head_off_at"],) if "head_off_at" in f else HEAD_OFF}
+
+    def candidates(self, head_limit: int) -> list[Candidate]:
+        """The candidates of the space (never empty: an impossible combination is an error)."""
+        a = self.axes(head_limit)
+        out = [c for c in candidates(a["topks"], a["depth"], a["budgets"], a["lookup_lens"], a["head_off"],
+                                     a["depths"], lookup_alone=self.any_mode)
+               if self.mode != "hybrid" or c.lookup_len]
+        if not out:
+            raise SpecError(f"calibration: no draft shape has {_words(self.fixed)}"
+                            + (f" in mode {self.mode}" if self.mode else "")
+                            + " (a tree of topk k and depth d holds at most k + (d - 1) k^2 nodes; a chain, "
+                              "topk 1, exactly d; head_off_at <= lookup_len)")
+        return out
+
+
+def _words(fixed: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in fixed.items()) or "nothing fixed"
 
 
 def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs], cands: list[Candidate],
@@ -519,15 +581,21 @@ def head_depth(head, max_depth: int) -> int:
 def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | None = None, *,
                temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0, topks=(1, 2, 4, 8), max_depth: int = 6,
                max_new_tokens: int = 48, budget_s: float | None = None, rounds: int = 5, seed: int = 0,
-               progress: bool = False, pays: float = PAYS) -> tuple[DraftSettings, Calibration]:
+               progress: bool = False, pays: float = PAYS,
+               space: SearchSpace | None = None) -> tuple[DraftSettings, Calibration]:
     """Measure, trace, simulate, choose (module doc), within about budget_s seconds: fewer cost
-    rounds and fewer prompts when the first ones show the whole would not fit. Returns the chosen
-    DraftSettings (mode "plain" when nothing pays; chosen_by / measured filled) and the Calibration."""
+    rounds and fewer prompts when the first ones show the whole would not fit. `space`: the fields
+    the user fixed (SearchSpace; default: nothing fixed over topks and max_depth): only its
+    candidates are traced, measured and ranked, and plain decoding is chosen only where nothing was
+    fixed. Returns the chosen DraftSettings (mode "plain" when nothing pays; chosen_by / measured
+    filled) and the Calibration."""
     from tqdm.auto import tqdm
 
     base = base or DraftSettings()
+    space = space or SearchSpace(topks=tuple(topks), max_depth=max_depth)
+    cands = space.candidates(head_depth(head, INF))  # before measuring: an impossible space fails at once
+    axes = space.axes(head_depth(head, INF))
     budget_s = budget_s or (120.0 if target.device.type == "cpu" else 60.0)
-    depth = head_depth(head, max_depth)
     temps = [float(t) for t in temperatures] or [0.0]
     ctx = _context(prompts, max_new_tokens)
     t0, warnings = time.perf_counter(), []
@@ -536,40 +604,50 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     bar = tqdm(total=len(temps) * (rounds + 2 + len(prompts)), desc="draft auto: calibrating", unit="part",
                disable=not progress, dynamic_ncols=True)
     for ti, T in enumerate(temps):
-        params = SamplingParams(T, top_k, top_p)
         share = (budget_s - (time.perf_counter() - t0)) / (len(temps) - ti)  # this temperature's seconds
-        t_start = time.perf_counter()
-        c = measure_costs(target, head, ctx, topks, depth, params, rounds=1, tick=bar.update)
-        one_round = 1e-3 * (sum(c.verify_ms.values()) + sum(c.draft_ms.values()) + c.plain_run_ms + c.plain_prefill_ms)
-        more = max(min(2, rounds - 1), min(rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))  # >= 3 rounds
-        c = _min_costs(c, measure_costs(target, head, ctx, topks, depth, params, rounds=more, tick=bar.update,
-                                        warmup=False))
-        bar.update(rounds - 1 - more)
-        probe = Candidate(topks[len(topks) // 2], min(3, depth), 16, max(LOOKUP_LENS))
-        c.overhead_ms = measure_loop(target, head, ctx, c, params, probe, base.lookup_ngram)
-        bar.update(1)
-        warnings += [f"T={T:g}: {w}" for w in check_costs(c)]
-        costs[T] = c
-        traces[T] = []
-        traced_s = 0.0
-        for i, p in enumerate(prompts):
-            left = share - (time.perf_counter() - t_start)
-            if traces[T] and traced_s / len(traces[T]) > left:  # the next prompt would not fit
-                warnings.append(f"T={T:g}: calibration budget ({budget_s:.0f} s): traced {len(traces[T])} of "
-                                f"{len(prompts)} prompts")
-                bar.update(len(prompts) - i)
-                break
-            t_trace = time.perf_counter()
-            traces[T].append(trace_prompt(target, head, p, max_new_tokens, params, seed + i, topks, depth,
-                                          lookup_ngram=base.lookup_ngram))
-            traced_s += time.perf_counter() - t_trace
-            bar.update(1)
-        warnings += [f"T={T:g}: {w}" for w in check_plain(traces[T], c)]
+        costs[T], traces[T], said = _measure_at(target, head, prompts, ctx, SamplingParams(T, top_k, top_p), axes,
+                                                cands, base, share, budget_s, rounds, seed, max_new_tokens, bar)
+        warnings += [f"T={T:g}: {w}" for w in said]
     bar.close()
-    choice, rows = choose(traces, costs, candidates(topks, depth), pays)
+    choice, rows = choose(traces, costs, cands, pays if space.any_mode else -math.inf)
     cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0)
-    chosen = _settings(base, cal, target)
-    return replace(chosen, depth=min(chosen.depth, depth)), cal  # the sizes eval's other methods run too
+    chosen = _settings(base, cal, target, space, pays)
+    return replace(chosen, depth=min(chosen.depth, axes["depth"])), cal  # the sizes eval's other methods run too
+
+
+def _measure_at(target, head, prompts, ctx, params: SamplingParams, axes: dict, cands, base: DraftSettings,
+                share: float, budget_s: float, rounds: int, seed: int, max_new_tokens: int, bar):
+    """One temperature's costs (interleaved rounds, at least 3, within a quarter of `share`) and
+    traces (prompts while they fit in `share`) over the search axes; returns (costs, traces, warnings)."""
+    t_start, warnings = time.perf_counter(), []
+    topks, depth = axes["topks"], axes["depth"]
+    widest = max(c.budget + c.lookup_len + 1 for c in cands)
+    widths = tuple(sorted(set(VERIFY_WIDTHS) | {widest}))
+    c = measure_costs(target, head, ctx, topks, depth, params, rounds=1, widths=widths, tick=bar.update)
+    one_round = 1e-3 * (sum(c.verify_ms.values()) + sum(c.draft_ms.values()) + c.plain_run_ms + c.plain_prefill_ms)
+    more = max(min(2, rounds - 1), min(rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))  # >= 3 rounds
+    c = _min_costs(c, measure_costs(target, head, ctx, topks, depth, params, rounds=more, widths=widths,
+                                    tick=bar.update, warmup=False))
+    bar.update(rounds - 1 - more)
+    k, d = topks[len(topks) // 2], min(3, depth)  # the loop-overhead probe: a mid-size hybrid of the space's head
+    c.overhead_ms = measure_loop(target, head, ctx, c, params, Candidate(k, d, min(16, k + (d - 1) * k * k),
+                                                                         max(LOOKUP_LENS)), base.lookup_ngram)
+    bar.update(1)
+    warnings += check_costs(c)
+    traces, traced_s = [], 0.0
+    lens = tuple(sorted(set(axes["lookup_lens"]) - {0}))
+    for i, p in enumerate(prompts):
+        if traces and traced_s / len(traces) > share - (time.perf_counter() - t_start):  # the next would not fit
+            warnings.append(f"calibration budget ({budget_s:.0f} s): traced {len(traces)} of {len(prompts)} prompts")
+            bar.update(len(prompts) - i)
+            break
+        t_trace = time.perf_counter()
+        traces.append(trace_prompt(target, head, p, max_new_tokens, params, seed + i, topks, depth, lookup_lens=lens,
+                                   lookup_ngram=base.lookup_ngram,
+                                   reach_budget=max(64, max(c.budget for c in cands))))
+        traced_s += time.perf_counter() - t_trace
+        bar.update(1)
+    return c, traces, warnings + check_plain(traces, c)
 
 
 def _context(prompts: list[list[int]], max_new_tokens: int) -> list[int]:
@@ -600,8 +678,9 @@ def check_plain(traces: list[Trace], costs: Costs) -> list[str]:
     return []
 
 
-def _settings(base: DraftSettings, cal: Calibration, target) -> DraftSettings:
-    """The choice as DraftSettings, with the measured costs and the prediction in `measured`."""
+def _settings(base: DraftSettings, cal: Calibration, target, space: SearchSpace, pays: float = PAYS) -> DraftSettings:
+    """The choice as DraftSettings, with the measured costs and the prediction in `measured` (and
+    what the user fixed, and whether the choice pays, where they fixed something)."""
     T0 = next(iter(cal.costs))
     c = cal.costs[T0]
     best = cal.rows[0] if cal.rows else None
@@ -615,11 +694,15 @@ def _settings(base: DraftSettings, cal: Calibration, target) -> DraftSettings:
         chosen = cal.choice.settings(base)
         pred = ", ".join(f"T={t}: tau {p['tau']:.2f}, {p['speedup']:.2f}x" for t, p in best["by_temperature"].items())
         why = f"measured: predicted {pred} over plain ({c.plain_step_ms:.1f} ms/step, {_cost_words(c, cal.choice)})"
+    if not space.any_mode:
+        why += (f"; searched only shapes with {_words(space.fixed)}" + (f" in mode {space.mode}" if space.mode else "")
+                + ("" if best["speedup"] > pays else f", none predicted faster than {pays:.2f}x plain: the best kept"))
     why += f"; {n_prompts} prompts in {cal.seconds:.0f} s"
     measured = {
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
         "prompts": n_prompts, "seconds": round(cal.seconds, 1), "warnings": list(cal.warnings),
+        "fixed": dict(space.fixed, **({"mode": space.mode} if space.mode else {})),
         "predicted": best["by_temperature"] if cal.choice is not None and best else
         {f"{t:g}": {"tau": 1.0, "speedup": 1.0} for t in cal.costs},
         "costs": {f"{t:g}": _costs_dict(cc) for t, cc in cal.costs.items()},
