@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from draftkit.heads import build_head
-from draftkit.inference.cost import (Candidate, Costs, auto_draft, candidates, check_costs, choose, format_choice,
-                                     simulate, trace_prompt)
+from draftkit.inference.cost import (Candidate, Costs, accept_law, auto_draft, candidates, check_costs, choose,
+                                     format_choice, simulate, step_visits, trace_prompt)
 from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import EvalSettings, evaluate
@@ -69,8 +69,8 @@ def test_simulated_steps_equal_a_real_run(fitted, c):
         assert stats.steps == len(steps), (c, prompt)
         if c.topk:  # tree steps report to the observer (lookup alone runs the chain); the last step
             # may accept past the end, which the simulation cuts (the output is cut there too)
-            assert [w for _, w in seen] == [w for _, w, _ in steps], (c, prompt)
-            assert [t for t, _ in seen][:-1] == [t for t, _, _ in steps][:-1], (c, prompt)
+            assert [w for _, w in seen] == [w for _, _, w, _ in steps], (c, prompt)
+            assert [t for t, _ in seen][:-1] == [t for _, t, _, _ in steps][:-1], (c, prompt)
 
 
 def test_the_traces_exercise_what_the_old_model_got_wrong(fitted):
@@ -81,6 +81,47 @@ def test_the_traces_exercise_what_the_old_model_got_wrong(fitted):
     assert any(p.branches[4] != p.branches[10][:4] for p in positions)
     tokens = sum(len(tr.tokens) - 1 for tr in traces)
     assert tokens / sum(len(simulate(tr, Candidate(3, 4, 12))) for tr in traces) > 2.0
+
+
+def enumerated_steps(laws: list[list[float]]) -> float:
+    """E[steps] of the renewal by brute force: every sequence of accepted counts, its probability."""
+    def from_(i: int) -> float:
+        if i >= len(laws):
+            return 0.0
+        return sum(p * (1 + from_(i + a + 1)) for a, p in enumerate(laws[i]) if p)
+    return from_(0)
+
+
+def test_sampled_steps_follow_the_renewal_not_a_position_average():
+    """T > 0: the expected steps over a trajectory are those of the run the laws give (a step that
+    accepts much skips the positions it covers), checked against enumeration on laws where
+    acceptance varies along the output: a long lookup match in the middle, nothing elsewhere. The
+    plain position average (the old model) overstates tokens per step there."""
+    g = torch.Generator().manual_seed(0)
+    laws = []
+    for i in range(14):
+        if 5 <= i < 9:  # a repeated span: 4 drafts accepted with probability 0.8
+            laws.append([0.1, 0.05, 0.03, 0.02, 0.8])
+        else:
+            w = [x * y for x, y in zip((6.0, 1.0, 0.5), torch.rand(3, generator=g, dtype=torch.float64).tolist())]
+            laws.append([x / sum(w) for x in w])
+    steps = sum(step_visits(laws))
+    assert steps == pytest.approx(enumerated_steps(laws), rel=1e-12)
+    mean_len = sum(sum(a * p for a, p in enumerate(law)) + 1 for law in laws) / len(laws)
+    assert len(laws) / steps < 0.95 * mean_len  # the position average would be 5%+ too optimistic here
+
+
+def test_sampled_laws_are_the_tree_walks():
+    """accept_law at T > 0: P(>= d accepted) = the summed reach of the verified nodes at depth d,
+    lookup's branch included once (a node both propose is one node)."""
+    from draftkit.inference.cost import Position
+
+    pos = Position(branches={2: [5, 6]}, ranked={2: [((5,), 1), ((7,), 1), ((5, 6), 2), ((5, 8), 2)]},
+                   reach={(5,): 0.5, (7,): 0.2, (5, 6): 0.3, (5, 8): 0.1})
+    assert accept_law(pos, Candidate(2, 2, 2)) == pytest.approx([0.3, 0.7])  # nodes 5, 7
+    assert accept_law(pos, Candidate(2, 2, 2, 2)) == pytest.approx([0.3, 0.4, 0.3])  # + lookup's (5, 6)
+    assert accept_law(pos, Candidate(2, 2, 4, 2)) == pytest.approx([0.3, 0.3, 0.4])  # (5, 6) counted once
+    assert accept_law(pos, Candidate(0, 0, 0, 2)) == pytest.approx([0.5, 0.2, 0.3])  # lookup alone
 
 
 def costs(verify_slope: float, plain_ms: float = 10.0) -> Costs:
