@@ -176,8 +176,9 @@ def main(argv=None) -> int:
                                                        "error": o["speedup"] / m["speedup"] - 1,
                                                        "parts_ms": predicted_parts(own, cal.costs[T], c)},
                                   "measured_parts_ms": m["parts_ms"]})
-            own_cells = f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%) |" \
-                if o else " - |"
+            avg = run["shapes"][-1]["own_traces"]["parts_ms"]["tau_position_average"] if o else None
+            own_cells = (f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%)"
+                         + (f"; tau as a position average {avg:.2f}" if avg else "") + " |") if o else " - |"
             lines.append(f"| {T:g} | {c.label()}{' *' if c == cal.choice else ''} | {p['tau']:.2f} | {m['tau']:.2f} | "
                          f"{p['speedup']:.2f}x | {m['speedup']:.2f}x | {100 * err:+.1f}% |{own_cells}")
             if o:
