@@ -44,6 +44,9 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--loop-batch-sizes", type=int, nargs="+", default=None,
+                    help="our loop's batch sizes (default: --batch-sizes); other engine runs are compared with "
+                         "the loop's smallest batch at the same temperature")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine_vllm.json")
     args = ap.parse_args()
@@ -55,7 +58,8 @@ def main() -> int:
         target = load_target(None, dtype=dtype)
         ids = [i for i in (encode(target.tokenizer, p) for p in prompts) if i]
         base = EngineEvalSettings(k=args.k, temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
-                                  batch_sizes=tuple(args.batch_sizes), dtype=dtype, python=python)
+                                  batch_sizes=tuple(args.batch_sizes), dtype=dtype, python=python,
+                                  loop_batch_sizes=tuple(args.loop_batch_sizes) if args.loop_batch_sizes else None)
         for n, head in enumerate(args.heads):  # plain and ngram with the first head's run only
             s = replace(base, methods=("plain", "ngram", "head") if n == 0 else ("head",))
             report = engine_eval(target, head, ids, s)

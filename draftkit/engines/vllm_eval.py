@@ -32,6 +32,10 @@ class EngineEvalSettings:
     temperatures: tuple[float, ...] = (0.0,)
     max_new_tokens: int = 128
     batch_sizes: tuple[int, ...] = (1,)  # one run per (temperature, batch size): "T=0 B=4"
+    # our loop's batch sizes (None: batch_sizes). An engine run with no loop run of its batch size is
+    # compared with the loop's run at the same temperature and the smallest batch size: our loop's
+    # tokens do not depend on how prompts are batched (tests/test_spec_decoder.py's ragged batches).
+    loop_batch_sizes: tuple[int, ...] | None = None
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
@@ -104,7 +108,7 @@ def run_loop(target, head, prompts: list[list[int]], s: EngineEvalSettings, k: i
 
     dec = loop_decoder(target, head, k, [] if s.ignore_eos else list(stop_ids))
     out = {}
-    for t, B in ((t, b) for t in s.temperatures for b in s.batch_sizes):
+    for t, B in ((t, b) for t in s.temperatures for b in (s.loop_batch_sizes or s.batch_sizes)):
         params = SamplingParams(temperature=t, top_k=s.top_k, top_p=s.top_p)
         outputs, total = [], None
         for i in range(0, len(prompts), B):
@@ -160,8 +164,13 @@ def _engine_run(r: dict, k: int) -> dict:
 def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine) -> None:
     loop = run_loop(target, head, prompts, s, k, stop_ids)
     for name, res in loop.items():
-        ours = loop_figures(res["stats"])
-        report["loop"][name] = {**ours, "tokens_per_s": res["stats"].tokens_per_s, "engine_rule": res["engine_rule"]}
+        report["loop"][name] = {**loop_figures(res["stats"]), "tokens_per_s": res["stats"].tokens_per_s,
+                                "engine_rule": res["engine_rule"]}
+    for t, b in ((t, b) for t in s.temperatures for b in s.batch_sizes):
+        name = run_name(t, b)
+        loop_b = b if b in (s.loop_batch_sizes or s.batch_sizes) else min(s.loop_batch_sizes)
+        res = loop[run_name(t, loop_b)]
+        ours = report["loop"][run_name(t, loop_b)]
         eng = report["engine"]["head"][name]
         greedy = name.startswith("T=0 ")
         if not res["engine_rule"]:
