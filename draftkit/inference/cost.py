@@ -628,17 +628,19 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     axes = space.axes(head_depth(head, INF))
     budget_s = budget_s or (120.0 if target.device.type == "cpu" else 60.0)
     temps = [float(t) for t in temperatures] or [0.0]
-    ctx = _context(prompts, max_new_tokens)
     t0, warnings = time.perf_counter(), []
     traces: dict[float, list[Trace]] = {}
     costs: dict[float, Costs] = {}
     bar = tqdm(total=len(temps) * (rounds + 2 + len(prompts)), desc="draft auto: calibrating", unit="part",
                disable=not progress, dynamic_ncols=True)
+    run = _Calibrating(target, head, prompts, _context(prompts, max_new_tokens), base, axes, cands, rounds, seed,
+                       max_new_tokens, budget_s, bar)
     for ti, T in enumerate(temps):
         share = (budget_s - (time.perf_counter() - t0)) / (len(temps) - ti)  # this temperature's seconds
-        costs[T], traces[T], said = _measure_at(target, head, prompts, ctx, SamplingParams(T, top_k, top_p), axes,
-                                                cands, base, share, budget_s, rounds, seed, max_new_tokens, bar)
-        warnings += [f"T={T:g}: {w}" for w in said]
+        t_start, params = time.perf_counter(), SamplingParams(T, top_k, top_p)
+        costs[T], said = run.costs(params, share)
+        traces[T], more = run.traces(params, share - (time.perf_counter() - t_start))
+        warnings += [f"T={T:g}: {w}" for w in said + more + check_plain(traces[T], costs[T])]
     bar.close()
     choice, rows = choose(traces, costs, cands, pays if space.any_mode else -math.inf)
     cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0)
@@ -646,39 +648,59 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     return replace(chosen, depth=min(chosen.depth, axes["depth"])), cal  # the sizes eval's other methods run too
 
 
-def _measure_at(target, head, prompts, ctx, params: SamplingParams, axes: dict, cands, base: DraftSettings,
-                share: float, budget_s: float, rounds: int, seed: int, max_new_tokens: int, bar):
-    """One temperature's costs (interleaved rounds, at least 3, within a quarter of `share`) and
-    traces (prompts while they fit in `share`) over the search axes; returns (costs, traces, warnings)."""
-    t_start, warnings = time.perf_counter(), []
-    topks, depth = axes["topks"], axes["depth"]
-    widest = max(c.budget + c.lookup_len + 1 for c in cands)
-    widths = tuple(sorted(set(VERIFY_WIDTHS) | {widest}))
-    c = measure_costs(target, head, ctx, topks, depth, params, rounds=1, widths=widths, tick=bar.update)
-    one_round = 1e-3 * (sum(c.verify_ms.values()) + sum(c.draft_ms.values()) + c.plain_run_ms + c.plain_prefill_ms)
-    more = max(min(2, rounds - 1), min(rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))  # >= 3 rounds
-    c = _min_costs(c, measure_costs(target, head, ctx, topks, depth, params, rounds=more, widths=widths,
-                                    tick=bar.update, warmup=False))
-    bar.update(rounds - 1 - more)
-    k, d = topks[len(topks) // 2], min(3, depth)  # the loop-overhead probe: a mid-size hybrid of the space's head
-    c.overhead_ms = measure_loop(target, head, ctx, c, params, Candidate(k, d, min(16, k + (d - 1) * k * k),
-                                                                         max(LOOKUP_LENS)), base.lookup_ngram)
-    bar.update(1)
-    warnings += check_costs(c)
-    traces, traced_s = [], 0.0
-    lens = tuple(sorted(set(axes["lookup_lens"]) - {0}))
-    for i, p in enumerate(prompts):
-        if traces and traced_s / len(traces) > share - (time.perf_counter() - t_start):  # the next would not fit
-            warnings.append(f"calibration budget ({budget_s:.0f} s): traced {len(traces)} of {len(prompts)} prompts")
-            bar.update(len(prompts) - i)
-            break
-        t_trace = time.perf_counter()
-        traces.append(trace_prompt(target, head, p, max_new_tokens, params, seed + i, topks, depth, lookup_lens=lens,
-                                   lookup_ngram=base.lookup_ngram,
-                                   reach_budget=max(64, max(c.budget for c in cands))))
-        traced_s += time.perf_counter() - t_trace
-        bar.update(1)
-    return c, traces, warnings + check_plain(traces, c)
+@dataclass
+class _Calibrating:
+    """What one auto_draft measures with: the models, prompts, the timing context, the search axes
+    (SearchSpace.axes) and candidates, and the progress bar."""
+
+    target: object
+    head: object
+    prompts: list
+    ctx: list
+    base: DraftSettings
+    axes: dict
+    cands: list
+    rounds: int
+    seed: int
+    max_new_tokens: int
+    budget_s: float
+    bar: object
+
+    def costs(self, params: SamplingParams, share: float) -> tuple[Costs, list[str]]:
+        """The costs at one temperature: interleaved rounds (at least 3, within a quarter of
+        `share` seconds) over every verify width and (topk, depth) of the axes, minimum kept;
+        then the loop overhead of a mid-size hybrid of the space's head."""
+        topks, depth = self.axes["topks"], self.axes["depth"]
+        widths = tuple(sorted(set(VERIFY_WIDTHS) | {max(c.budget + c.lookup_len + 1 for c in self.cands)}))
+        m = self.target, self.head, self.ctx, topks, depth, params
+        c = measure_costs(*m, rounds=1, widths=widths, tick=self.bar.update)
+        one_round = 1e-3 * (sum(c.verify_ms.values()) + sum(c.draft_ms.values()) + c.plain_run_ms + c.plain_prefill_ms)
+        more = max(min(2, self.rounds - 1), min(self.rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))
+        c = _min_costs(c, measure_costs(*m, rounds=more, widths=widths, tick=self.bar.update, warmup=False))
+        self.bar.update(self.rounds - 1 - more)
+        k, d = topks[len(topks) // 2], min(3, depth)
+        probe = Candidate(k, d, min(16, k + (d - 1) * k * k), max(LOOKUP_LENS))
+        c.overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, probe, self.base.lookup_ngram)
+        self.bar.update(1)
+        return c, check_costs(c)
+
+    def traces(self, params: SamplingParams, share: float) -> tuple[list[Trace], list[str]]:
+        """The prompts traced at one temperature while the next one fits in `share` seconds."""
+        t_start, traces, traced_s = time.perf_counter(), [], 0.0
+        lens = tuple(sorted(set(self.axes["lookup_lens"]) - {0}))
+        for i, p in enumerate(self.prompts):
+            if traces and traced_s / len(traces) > share - (time.perf_counter() - t_start):
+                self.bar.update(len(self.prompts) - i)
+                return traces, [f"calibration budget ({self.budget_s:.0f} s): traced {len(traces)} of "
+                                f"{len(self.prompts)} prompts"]
+            t_trace = time.perf_counter()
+            traces.append(trace_prompt(self.target, self.head, p, self.max_new_tokens, params, self.seed + i,
+                                       self.axes["topks"], self.axes["depth"], lookup_lens=lens,
+                                       lookup_ngram=self.base.lookup_ngram,
+                                       reach_budget=max(64, max(c.budget for c in self.cands))))
+            traced_s += time.perf_counter() - t_trace
+            self.bar.update(1)
+        return traces, []
 
 
 def _context(prompts: list[list[int]], max_new_tokens: int) -> list[int]:
