@@ -164,6 +164,18 @@ def test_auto_on_a_machine_where_nothing_pays_says_plain_in_one_line(fitted, mon
     assert "plain decoding" in line and "plain step" in line and "verify" in line
 
 
+def test_lookup_alone_is_costed_with_its_own_loop_overhead(fitted):
+    """Lookup alone runs the chain path, not the hybrid tree the overhead probe runs: auto measures
+    its overhead with a lookup run and steps of lookup alone use it (trees keep the probe's)."""
+    target, head, _ = fitted
+    _, cal = auto_draft(target, head, PROMPTS[:1], topks=(2,), max_depth=2, max_new_tokens=8, rounds=1)
+    c = cal.costs[0.0]
+    assert c.lookup_overhead_ms is not None and c.lookup_overhead_ms != c.overhead_ms
+    lookup, tree = Candidate(0, 0, 0, 4), Candidate(2, 2, 3)
+    assert c.step(lookup, 5, False) - c.verify(5) == pytest.approx(c.lookup_ms + c.lookup_overhead_ms)
+    assert c.step(tree, 4, True) - c.verify(4) == pytest.approx(c.draft_ms[(2, 2)] + c.overhead_ms)
+
+
 def test_auto_respects_a_medusa_heads_depth():
     target = make_tiny_target()
     head = build_head({"type": "medusa", "num_heads": 2}, target).eval()

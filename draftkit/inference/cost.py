@@ -345,6 +345,7 @@ class Costs:
     noise_ms_per_row: float = 0.0  # T > 0: one 1/Exp(1) row over the vocabulary per depth + 1
     lookup_ms: float = 0.0  # lookup's proposal and merge per step
     overhead_ms: float = 0.0  # per step beyond forward, drafting and noise (walk, roll-back, bookkeeping)
+    lookup_overhead_ms: float | None = None  # the same for lookup alone (the chain path); None: overhead_ms
     temperature: float = 0.0
     plain_run_ms: float = 0.0  # plain_generate of 1 + plain_tokens tokens (plain_step_ms is the difference)
     plain_tokens: int = 8
@@ -364,7 +365,8 @@ class Costs:
         """ms of one speculative step of c with this verify width."""
         draft = (self.draft_ms[(c.topk, c.depth)] if head_on else self.consume_ms) if c.topk else 0.0
         noise = self.noise_ms_per_row * (c.loop_depth + 1) if self.temperature > 0 else 0.0
-        return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + self.overhead_ms + noise
+        over = self.overhead_ms if c.topk or self.lookup_overhead_ms is None else self.lookup_overhead_ms
+        return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + over + noise
 
 
 def predict(traces: list[Trace], costs: Costs, c: Candidate) -> dict:
@@ -552,12 +554,15 @@ def measure_loop(target, head, context: list[int], costs: Costs, params: Samplin
     not count as overhead."""
     from draftkit.inference.drafters import HybridDrafter
 
-    drafter = HybridDrafter(head, NgramDrafter(max_n=lookup_ngram), c.lookup_len)
-    dec = SpecDecoder(target, drafter, tree=TreeShape(c.topk, c.depth, c.budget), stop_ids=[])
+    if c.topk:
+        drafter = HybridDrafter(head, NgramDrafter(max_n=lookup_ngram), c.lookup_len)
+        dec = SpecDecoder(target, drafter, tree=TreeShape(c.topk, c.depth, c.budget), stop_ids=[])
+    else:  # lookup alone runs the chain path (DraftSettings.decoder_args): its own overhead
+        dec = SpecDecoder(target, NgramDrafter(max_n=lookup_ngram), k=c.lookup_len, stop_ids=[])
     seen: list[tuple[float, int]] = []  # (time, verify width) at each step's walk
     dec.observer = lambda tree, verdict: seen.append((time.perf_counter(), int((tree.tokens[0] >= 0).sum()) + 1))
     noise = costs.noise_ms_per_row * (dec.k + 1) if not params.greedy else 0.0
-    fixed = costs.draft_ms[(c.topk, c.depth)] + costs.lookup_ms + noise
+    fixed = (costs.draft_ms[(c.topk, c.depth)] if c.topk else 0.0) + costs.lookup_ms + noise
     residuals = []
     for _ in range(rounds):
         seen.clear()
@@ -681,6 +686,9 @@ class _Calibrating:
         k, d = topks[len(topks) // 2], min(3, depth)
         probe = Candidate(k, d, min(16, k + (d - 1) * k * k), max(LOOKUP_LENS))
         c.overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, probe, self.base.lookup_ngram)
+        if any(not x.topk for x in self.cands):
+            lookup = Candidate(0, 0, 0, max(x.lookup_len for x in self.cands if not x.topk))
+            c.lookup_overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, lookup, self.base.lookup_ngram)
         self.bar.update(1)
         return c, check_costs(c)
 
@@ -769,7 +777,8 @@ def _cost_words(c: Costs, cand: Candidate) -> str:
     """The measured costs that decide cand, in words."""
     w = cand.budget + cand.lookup_len + 1 if cand.topk else cand.lookup_len + 1
     draft = f"head draft {c.draft_ms[(cand.topk, cand.depth)]:.1f} ms, " if cand.topk else ""
-    return f"verify {w}: {c.verify(w):.1f} ms, {draft}loop overhead {c.overhead_ms:.1f} ms"
+    over = c.overhead_ms if cand.topk or c.lookup_overhead_ms is None else c.lookup_overhead_ms
+    return f"verify {w}: {c.verify(w):.1f} ms, {draft}loop overhead {over:.1f} ms"
 
 
 def _costs_dict(c: Costs) -> dict:
@@ -777,6 +786,7 @@ def _costs_dict(c: Costs) -> dict:
             "draft_ms": {f"{k}x{d}": round(v, 3) for (k, d), v in c.draft_ms.items()},
             "consume_ms": round(c.consume_ms, 3), "plain_step_ms": round(c.plain_step_ms, 3),
             "overhead_ms": round(c.overhead_ms, 3), "lookup_ms": round(c.lookup_ms, 3),
+            "lookup_overhead_ms": None if c.lookup_overhead_ms is None else round(c.lookup_overhead_ms, 3),
             "noise_ms_per_row": round(c.noise_ms_per_row, 4)}
 
 
