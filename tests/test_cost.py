@@ -17,7 +17,7 @@ import torch
 
 from draftkit.heads import build_head
 from draftkit.inference.cost import (Candidate, Costs, accept_law, auto_draft, candidates, check_costs, choose,
-                                     format_choice, simulate, step_visits, trace_prompt)
+                                     format_choice, position_step, simulate, step_visits, trace_prompt)
 from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import EvalSettings, evaluate
@@ -109,6 +109,28 @@ def test_sampled_steps_follow_the_renewal_not_a_position_average():
     assert steps == pytest.approx(enumerated_steps(laws), rel=1e-12)
     mean_len = sum(sum(a * p for a, p in enumerate(law)) + 1 for law in laws) / len(laws)
     assert len(laws) / steps < 0.95 * mean_len  # the position average would be 5%+ too optimistic here
+
+
+def test_sampled_tau_predicts_real_runs(fitted):
+    """T > 0 (0.3, so drafts are accepted on the tiny target): the tokens per step the traces
+    predict (the renewal over each sampled trajectory) are those of real runs at other seeds, for
+    a hybrid, a tree and a chain; the plain position average (the old model) misses them by more
+    than twice as much."""
+    target, head, _ = fitted
+    params, seeds = SamplingParams(0.3), range(5)
+    traces = [trace_prompt(target, head, p, NEW, params, s, TOPKS, DEPTH, stop_ids=[]) for s in seeds for p in PROMPTS]
+    n = sum(len(tr.tokens) - 1 for tr in traces)
+    for c in (Candidate(2, 2, 3, 4), Candidate(3, 2, 6), Candidate(1, 4, 4)):
+        drafter, kw = c.settings(DraftSettings()).decoder_args(head)
+        dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
+        runs = [dec.generate([p], NEW, params, [1000 + s])[1] for s in seeds for p in PROMPTS]
+        real = sum(st.new_tokens - 1 for st in runs) / sum(st.steps for st in runs)
+        renewal = n / sum(v for tr in traces for v, *_ in simulate(tr, c))
+        per = [acc + 1 for tr in traces for acc, _, _ in (position_step(q, [], c) for q in tr.positions)]
+        average = sum(per) / len(per)
+        assert real > 1.1, c  # drafts are accepted: the weighting matters
+        assert abs(renewal / real - 1) < 0.08, (c, real, renewal)
+        assert abs(average / real - 1) > 2 * abs(renewal / real - 1), (c, real, renewal, average)
 
 
 def test_sampled_laws_are_the_tree_walks():
