@@ -40,6 +40,8 @@ def main() -> int:
     ap.add_argument("--heads", nargs="+", required=True, help="native heads or vLLM exports")
     ap.add_argument("--prompts", default=str(ROOT / "benchmarks/results/specbench_dev60.jsonl"))
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--every", type=int, default=1,
+                    help="every Nth prompt (the dev file is ordered by category: --every 2 keeps 6 of each of 5)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -51,7 +53,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine_vllm.json")
     args = ap.parse_args()
     python = find_python()
-    prompts = read_prompt_file(args.prompts)[: args.limit]
+    prompts = read_prompt_file(args.prompts)[:: args.every][: args.limit]
     result = {"cpu_flags": cpu_flags(), "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     ok = True
     for dtype in args.dtypes:
