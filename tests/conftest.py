@@ -138,6 +138,27 @@ def make_arch_target(arch: str, vocab: int = 96, hidden: int = 32, layers: int =
     return Target(model.to(dtype), None, name=f"tiny-{arch}-{seed}")
 
 
+def save_vllm_target(directory):
+    """A tiny MHA llama vLLM's CPU attention runs (head_dim 64), saved as an HF directory: the
+    verifier of the engine tests. Init std 0.2 and random norms: greedy output varies."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftkit.target import Target
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                      initializer_range=0.2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(directory)
+    return Target(model, None, name=str(directory))  # the export's verifier: this directory
+
+
 def vllm_python() -> str:
     """The Python that runs vLLM for the engine tests: DRAFTKIT_CHECK_VLLM=0 leaves them out (skip),
     =1 (scripts/test.sh, CI) makes a missing vLLM a failure, unset skips with the reason."""
