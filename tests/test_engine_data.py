@@ -263,7 +263,7 @@ def test_prepare_with_vllm_builds_no_hf_decoder(magpie_target_dir, tmp_path, mon
     monkeypatch.setattr(GenerationMixin, "generate", no_generate)
     args = [f"target.path={magpie_target_dir}", "target.dtype=float32", "data.sources=[]",
             f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}", "data.holdout=0",
-            "data.max_length=64", "data.num_prompts=6", "data.grounded.fraction=0.5", "data.grounded.min_chars=1",
+            "data.max_length=400", "data.num_prompts=6", "data.grounded.fraction=0.5", "data.grounded.min_chars=1",
             "data.responses.engine=vllm", "data.responses.max_new_tokens=12", "data.responses.batch_size=4",
             "data.synthesize.batch_size=8", "data.synthesize.max_new_tokens=16", "data.synthesize.min_chars=1",
             "head.type=eagle", "head.draft_vocab_size=64"]
