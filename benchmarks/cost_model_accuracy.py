@@ -23,7 +23,7 @@ import torch
 
 from draftkit.heads.base import load_head
 from draftkit.inference.calibrate import calibration_prompts
-from draftkit.inference.cost import Candidate, auto_draft, predict, trace_prompt
+from draftkit.inference.cost import Candidate, auto_draft, position_step, predict, simulate, trace_prompt
 from draftkit.inference.decoder import SpecDecoder, plain_generate, stop_token_ids
 from draftkit.inference.evaluate import _prepare, read_prompt_file
 from draftkit.inference.report import atomic_write
@@ -57,6 +57,7 @@ def measure(target, head, shapes: list[Candidate], prompts, max_new: int, params
         d.generate([prompts[0]], 4, SamplingParams(), [0])
     plain_generate(target, [prompts[0]], 4)
     tot = {n: [0.0, 0, 0, 0] for n in names}  # seconds, new tokens, emitted, row steps
+    part = {c: [0.0, 0.0, 0.0, 0] for c in shapes}  # prefill s, draft s, verify s, steps
     for i, p in enumerate(prompts):
         order = names[i % len(names):] + names[: i % len(names)]
         for n in order:
@@ -70,10 +71,50 @@ def measure(target, head, shapes: list[Candidate], prompts, max_new: int, params
                 tot[n][1] += st.new_tokens
                 tot[n][2] += st.emitted
                 tot[n][3] += st.row_steps
+                for j, v in enumerate((st.prefill_s, st.draft_s, st.verify_s, st.steps)):
+                    part[n][j] += v
         print(f"  measured {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
     plain_tps = tot["plain"][1] / tot["plain"][0]
     return {c: {"speedup": (tot[c][1] / tot[c][0]) / plain_tps, "tau": tot[c][2] / max(tot[c][3], 1),
-                "tokens_per_s": tot[c][1] / tot[c][0]} for c in shapes}, plain_tps
+                "tokens_per_s": tot[c][1] / tot[c][0], "parts_ms": _measured_parts(tot[c][0], *part[c])}
+            for c in shapes}, plain_tps
+
+
+def _measured_parts(total_s, prefill_s, draft_s, verify_s, steps) -> dict:
+    """A measured run's ms per step by the loop's own timers: draft (head + lookup), verify (forward,
+    walk, commit), the rest (bookkeeping between them), and its prefill per prompt-less total."""
+    n = max(steps, 1)
+    return {"steps": steps, "prefill_s": round(prefill_s, 3), "step": 1e3 * (total_s - prefill_s) / n,
+            "draft": 1e3 * draft_s / n, "verify": 1e3 * verify_s / n,
+            "rest": 1e3 * (total_s - prefill_s - draft_s - verify_s) / n}
+
+
+def predicted_parts(traces, costs, c: Candidate) -> dict:
+    """The model's ms per step of c on the traces, by term: verify forward (by width), head drafting,
+    lookup, loop overhead, noise rows; and the plain step it compares with against the plain runs
+    that made the traces (their wall time less the timed prefill, per token)."""
+    steps = [s for tr in traces for s in simulate(tr, c)]  # (weight, tokens, width, head drafted?)
+    n = max(sum(v for v, *_ in steps), 1e-9)
+    draft = sum(v * ((costs.draft_ms[(c.topk, c.depth)] if h else costs.consume_ms) if c.topk else 0.0)
+                for v, _, _, h in steps) / n
+    noise = costs.noise_ms_per_row * (c.loop_depth + 1) if costs.temperature > 0 else 0.0
+    plain_run = sum(1e3 * tr.plain_s - tr.prefill_ms for tr in traces) / max(sum(len(tr.tokens) - 1 for tr in traces), 1)
+    return {"verify": sum(v * costs.verify(w) for v, _, w, _ in steps) / n,
+            "mean_width": sum(v * w for v, _, w, _ in steps) / n,
+            "draft": draft, "lookup": costs.lookup_ms if c.lookup_len else 0.0,
+            "overhead": costs.overhead_ms if c.topk or costs.lookup_overhead_ms is None else costs.lookup_overhead_ms,
+            "noise": noise, "step": sum(v * costs.step(c, w, h) for v, _, w, h in steps) / n,
+            "plain_step_model": costs.plain_step_ms, "plain_step_in_traces": plain_run,
+            "tau_position_average": _position_average_tau(traces, c)}
+
+
+def _position_average_tau(traces, c: Candidate) -> float | None:
+    """T > 0: tau as the model had it before step_visits (every position of the trajectory weighted
+    alike), beside the renewal's, to see which the measured run follows."""
+    if not traces or traces[0].temperature == 0:
+        return None
+    per = [acc + 1 for tr in traces for acc, _, _ in (position_step(p, [], c) for p in tr.positions)]
+    return sum(per) / len(per)
 
 
 def _base():
@@ -107,7 +148,7 @@ def main(argv=None) -> int:
               "measured_prompts": len(held), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "cpu_flags": _cpu_flags(), "runs": []}
-    lines = []
+    lines, parts = [], []
     for T in args.temperatures:
         t0 = time.perf_counter()
         chosen, cal = auto_draft(target, head, calib, temperatures=(T,), max_new_tokens=args.max_new_tokens,
@@ -133,17 +174,31 @@ def main(argv=None) -> int:
                                   "measured_speedup": m["speedup"], "error": err, "predicted_tau": p["tau"],
                                   "measured_tau": m["tau"], "within_10pct": abs(err) <= 0.10,
                                   "own_traces": o and {"tau": o["tau"], "speedup": o["speedup"],
-                                                       "error": o["speedup"] / m["speedup"] - 1}})
-            own_cells = f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%) |" \
-                if o else " - |"
+                                                       "error": o["speedup"] / m["speedup"] - 1,
+                                                       "parts_ms": predicted_parts(own, cal.costs[T], c)},
+                                  "measured_parts_ms": m["parts_ms"]})
+            avg = run["shapes"][-1]["own_traces"]["parts_ms"]["tau_position_average"] if o else None
+            own_cells = (f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%)"
+                         + (f"; tau as a position average {avg:.2f}" if avg else "") + " |") if o else " - |"
             lines.append(f"| {T:g} | {c.label()}{' *' if c == cal.choice else ''} | {p['tau']:.2f} | {m['tau']:.2f} | "
                          f"{p['speedup']:.2f}x | {m['speedup']:.2f}x | {100 * err:+.1f}% |{own_cells}")
+            if o:
+                q, r = run["shapes"][-1]["own_traces"]["parts_ms"], m["parts_ms"]
+                parts.append(f"| {T:g} | {c.label()} | {q['step']:.1f} = verify {q['verify']:.1f} (w {q['mean_width']:.1f}) "
+                             f"+ draft {q['draft']:.1f} + lookup {q['lookup']:.1f} + overhead {q['overhead']:.1f} + noise "
+                             f"{q['noise']:.1f} | {r['step']:.1f} = verify {r['verify']:.1f} + draft {r['draft']:.1f} + "
+                             f"rest {r['rest']:.1f} | {q['plain_step_model']:.1f} / {q['plain_step_in_traces']:.1f} |")
         result["runs"].append(run)
         atomic_write(Path(args.out), json.dumps(result, indent=2, default=str))
     print("| T | shape (* = auto's choice) | tau predicted | tau measured | speedup predicted | measured | error | "
           "on the measured prompts' own traces: tau / speedup (error) |")
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
+    if parts:
+        print("\n| T | shape | predicted ms/step on the measured prompts' traces | measured ms/step (loop timers) | "
+              "plain step: model / in the traces' plain runs |")
+        print("|---|---|---|---|---|")
+        print("\n".join(parts))
     print(f"wrote {args.out}")
     return 0
 

@@ -112,7 +112,13 @@ class GenerationSettings:
     # temperature, top_p and max_new_tokens, prompt i (its index in the prompt list) seeded with
     # seed + i; rank r's vLLM serves rank r's share, finished chunks are cached as they come (a rerun
     # skips them). Part of the cache key (with the target's dtype): engines never mix silently.
-    engine: Literal["hf", "vllm"] = "hf"
+    # Prompt synthesis (Magpie, data.sources empty) goes through the same engine. "auto": vllm when
+    # a Python that imports vllm is found (the order above), else hf; the choice and its reason are
+    # logged once per process, and the keys record the engine used, never "auto". With vllm,
+    # `draftkit prepare` loads no decoder layer of the HF target (tokenizer, chat template, embeddings
+    # only). The recipes say auto: vLLM generated 4.4x (fp32) / 5.9x (bf16) the refill scheduler's
+    # tokens/s on two cores (benchmarks/results/generation_throughput_vllm.json).
+    engine: Literal["hf", "vllm", "auto"] = "hf"
     # engine vllm: keyword arguments added to vllm.LLM(...) on every rank, e.g. {tensor_parallel_size: 8,
     # gpu_memory_utilization: 0.9, max_num_seqs: 256} on a GPU node (one rank per node then; see the
     # README's "several GPUs, several nodes"). How fast, not what: not part of the cache key.

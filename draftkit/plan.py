@@ -4,6 +4,11 @@ The target is built from its config.json on the meta device (exact parameter cou
 the head is built on it the same way, and the recipe's DeepSpeed section decides how weights,
 gradients and AdamW states split across ranks. Memory for activations is an ESTIMATE from the
 shapes (documented in `head_activation_bytes`); everything else is exact arithmetic on the configs.
+Time, per stage: stage 1 (responses) at the measured generation rate of one engine instance (a
+benchmarks/generation_throughput.py JSON, by default this repo's, or --gen-tok-s N) times the
+instances (vLLM: tensor parallel within a node, data parallel across), beside the HBM-bandwidth
+bound of decoding (`decode_bound`); features and training an ESTIMATE from FLOPs at an assumed
+fraction of the GPU's peak (`training_time`).
 Problems that would fail or waste the run (a length over the target's context, a draft vocabulary
 larger than the target's, a learning rate tuned for the 135M demo target, a target that cannot fit
 one GPU) are listed, errors first; `plan` exits 1 when there is an error.
@@ -25,17 +30,34 @@ from draftkit.target import AUTO_DTYPE, DTYPES, FINAL, Target, TargetError, chec
 GiB = 1024 ** 3
 
 
+MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "generation_throughput_vllm.json"
+
+
 @dataclass
 class PlanSettings:
-    # Processes the launcher starts (deepspeed --num_gpus N x nodes).
+    # Processes the launcher starts (deepspeed --num_gpus N x nodes) = GPUs in the run.
     world_size: int = 1
     # Memory of one accelerator, GiB (H100 / A100-80GB: 80).
     gpu_memory_gib: float = 80.0
-    # Response tokens one rank generates per second while regenerating data (a stated assumption:
-    # measure yours with benchmarks/generation_throughput.py); data generation is sharded by rank.
-    gen_tokens_per_s: float = 2000.0
+    # Response tokens one engine instance generates per second while regenerating data: a number
+    # (measured on your cluster), or None to read it from `gen_rate_file`.
+    gen_tokens_per_s: float | None = None
+    # A benchmarks/generation_throughput.py JSON: its fastest row for the recipe's engine and
+    # dtype is the rate (default: this repo's measurement, SmolLM2-135M on two CPU cores).
+    gen_rate_file: Path = MEASURED
     # Mean prompt length in tokens (chat prompts of ShareGPT / UltraChat: ~100-300).
     prompt_tokens: int = 200
+    # GPUs per node: vLLM's tensor parallelism stays within one.
+    gpus_per_node: int = 8
+    # vLLM tensor_parallel_size of the data stage; None: data.responses.vllm's, else the smallest
+    # power of two whose shard of the weights and KV cache fits 90% of a GPU.
+    data_tp: int | None = None
+    # HBM bandwidth of one GPU, GB/s (H100 SXM: 3350): the decode-rate bound of the data stage.
+    gpu_bandwidth_gbs: float = 3350.0
+    # Dense bf16 TFLOP/s of one GPU (H100 SXM: 989) and the fraction a run reaches (an ASSUMPTION):
+    # the training and feature-stage time estimates.
+    gpu_tflops: float = 989.0
+    mfu: float = 0.4
 
 
 class MetaTarget(Target):
@@ -125,6 +147,106 @@ def head_activation_bytes(head_cfg: dict, c, micro: int, length: int, act_bytes:
             "logits": float(min(tokens, logits_rows) * vocab * 4 * 3)}
 
 
+def generation_rate(s: PlanSettings, engine: str, scheduler: str, dtype: str) -> tuple[float, str, dict]:
+    """(response tok/s per engine instance, where the figure came from, its measurement's meta):
+    s.gen_tokens_per_s as given, else the fastest row of s.gen_rate_file for the engine (vllm, or
+    hf's scheduler) and dtype. ConfigError when the file has no such row."""
+    if s.gen_tokens_per_s is not None:
+        return float(s.gen_tokens_per_s), "given (--gen-tok-s)", {}
+    try:
+        measured = json.loads(Path(s.gen_rate_file).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--gen-tok-s: cannot read a throughput file {s.gen_rate_file}: {e}") from e
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    want = "vllm" if engine == "vllm" else scheduler
+    rows = [r for r in measured.get("results", []) if r.get("scheduler") == want and r.get("dtype") == short]
+    if not rows:
+        raise ConfigError(f"{s.gen_rate_file}: no {want} {short} row (benchmarks/generation_throughput.py "
+                          f"--schedulers {want} --dtypes {short} writes one), or give --gen-tok-s N")
+    best, meta = max(rows, key=lambda r: r["tok_per_s"]), measured.get("meta", {})
+    where = (f"measured: {Path(s.gen_rate_file).name}, {meta.get('model', '?')} {want} {short} batch "
+             f"{best['batch_size']}, {meta.get('device', '?')} x{meta.get('threads', '?')} threads"
+             + (" (AVX512-BF16)" if meta.get("cpu_avx512_bf16") else ""))
+    return float(best["tok_per_s"]), where, meta
+
+
+def data_tp(s: PlanSettings, d, weight_bytes: float, kv_bytes: float) -> int:
+    """vLLM's tensor_parallel_size for the data stage (PlanSettings.data_tp's rule)."""
+    if s.data_tp:
+        return s.data_tp
+    if d.responses.vllm.get("tensor_parallel_size"):
+        return int(d.responses.vllm["tensor_parallel_size"])
+    cap, t = 0.9 * s.gpu_memory_gib * GiB, 1
+    while t < s.gpus_per_node and (weight_bytes + kv_bytes) / t > cap:
+        t *= 2
+    return t
+
+
+def decode_bound(weight_bytes: float, kv_per_token: float, batch: int, context: float, tp: int,
+                 bandwidth_gbs: float) -> float:
+    """Upper bound of one engine instance's decode rate, tok/s: every step reads each GPU's shard of
+    the weights and of the batch's KV cache from HBM once, batch tokens per step (no compute time,
+    perfect tensor parallelism: a real engine reaches perhaps half)."""
+    step_bytes = (weight_bytes + batch * context * kv_per_token) / tp
+    return batch * bandwidth_gbs * 1e9 / step_bytes
+
+
+def data_stage(r: Recipe, s: PlanSettings, cfg, dtype: str, weight_bytes: float, response_tokens: int,
+               problems: list) -> dict:
+    """Stage 1 on the cluster. engine vllm (auto: planned as where vLLM is installed): instances of
+    tp GPUs each, tensor parallel within a node, data parallel across (one prepare rank per
+    instance: it answers its share of the prompts and writes its own shards); engine hf: one
+    instance per rank. Hours at the measured (or given) rate and at the HBM bound, bytes per GPU."""
+    d = r.data
+    engine = "hf" if d.responses.engine == "hf" else "vllm"
+    layers, kv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * layers * kv * head_dim * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    batch = int(d.responses.vllm.get("max_num_seqs", d.responses.batch_size))
+    kv_bytes = batch * (s.prompt_tokens + d.responses.max_new_tokens) * kv_per_token
+    tp = data_tp(s, d, weight_bytes, kv_bytes) if engine == "vllm" else 1
+    instances = max(s.world_size // tp, 1)
+    rate, source, meta = generation_rate(s, engine, d.responses.scheduler, dtype)
+    bound = decode_bound(weight_bytes, kv_per_token, batch, s.prompt_tokens + d.responses.max_new_tokens / 2, tp,
+                         s.gpu_bandwidth_gbs)
+    if engine == "vllm" and (weight_bytes + kv_bytes) / tp > 0.9 * s.gpu_memory_gib * GiB:
+        problems.append(("error", f"data stage: {(weight_bytes + kv_bytes) / tp / GiB:.1f} GiB of weights and KV "
+                         f"cache per GPU at tensor parallel {tp} exceed 90% of {s.gpu_memory_gib:g} GiB; lower "
+                         "data.responses.batch_size or raise data.responses.vllm.tensor_parallel_size"))
+    if s.world_size % tp:
+        problems.append(("warning", f"data stage: {s.world_size} GPUs are not a multiple of tensor parallel {tp}"))
+    model = str(meta.get("model", "")).split(".")[0]
+    if meta and model not in str(r.target.path or "embedded SmolLM2-135M-Instruct"):
+        problems.append(("warning", f"data stage: the rate was measured on {meta.get('model')} ({meta.get('device')}), "
+                         "not this target on these GPUs: measure there (benchmarks/generation_throughput.py --model "
+                         "TARGET --schedulers vllm --dtypes bf16) and pass --gen-tok-s FILE or N"))
+    return {"engine": engine, "engine_setting": d.responses.engine, "tensor_parallel": tp, "instances": instances,
+            "batch": batch, "rate_tok_s": rate, "rate_source": source,
+            "hours": response_tokens / (rate * instances) / 3600, "bound_tok_s": bound,
+            "bound_hours": response_tokens / (bound * instances) / 3600, "kv_bytes_per_token": kv_per_token,
+            "gpu_bytes": {"weights": weight_bytes / tp, "kv_cache": kv_bytes / tp}}
+
+
+def training_time(r: Recipe, s: PlanSettings, target_params: int, head_params: int, head_cfg: dict, prompts: int,
+                  samples_seen: int, sample_tokens: int) -> dict:
+    """ESTIMATE of the GPU time of features and training from FLOPs: a target forward is 2 P_target
+    per token (train.features online: every sample seen; offline: each sample once, in stage 2), the
+    head's forward and backward 6 P_head per token per pass (EAGLE-3: ttt_steps, MTP: num_depths,
+    else 1), at s.mfu of s.gpu_tflops on each of s.world_size GPUs. Attention's T^2 terms and the
+    evaluation passes are left out."""
+    family = r.head["type"]
+    passes = head_cfg.get("ttt_steps", 7) if family == "eagle3" else head_cfg.get("num_depths", 1) if family == "mtp" else 1
+    seen = samples_seen * sample_tokens
+    target = 2 * target_params * (seen if r.train.features == "online" else prompts * sample_tokens)
+    head = 6 * head_params * passes * seen
+    per_s = s.world_size * s.gpu_tflops * 1e12 * s.mfu
+    features = r.train.features == "offline"
+    return {"features": r.train.features, "target_forward_flops": float(target), "head_flops": float(head),
+            "feature_hours": target / per_s / 3600 if features else 0.0,
+            "hours": (head if features else target + head) / per_s / 3600,
+            "assumption": f"{s.mfu:.0%} of {s.gpu_tflops:g} bf16 TFLOP/s on each of {s.world_size} GPUs"}
+
+
 def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     """Everything `draftkit plan` prints, as a dict (also written by --json)."""
     from draftkit.heads import HeadError, build_head
@@ -171,7 +293,6 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     prompts = r.samples_needed(global_batch)
     sample_tokens = min(d.max_length, s.prompt_tokens + d.responses.max_new_tokens)
     response_tokens = (prompts + d.holdout) * d.responses.max_new_tokens  # upper bound (EOS ends earlier)
-    gen_seconds = response_tokens / (s.gen_tokens_per_s * s.world_size)
     per_token_feature = (cfg.hidden_size * (1 if tuple(layers) == (FINAL,) else 1 + len(layers))) * tbytes + 4
     feature_bytes = prompts * sample_tokens * per_token_feature if t.features == "offline" else 0
     passes = t.max_steps * global_batch / max(prompts, 1)
@@ -194,6 +315,9 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     memory = {"target_weights": target_weights, "head": head_mem, "head_activations": head_act,
               "target_feature_forward": float(target_fwd), "training_peak": float(train_total),
               "generation_kv_cache": float(kv_cache), "generation_peak": float(gen_total)}
+    stage1 = data_stage(r, s, cfg, tdtype, target_weights, response_tokens, problems)
+    stage2 = training_time(r, s, target_params, head_params, head_cfg, prompts, t.max_steps * global_batch,
+                           sample_tokens)
 
     # ---- what does not fit ----
     cap = s.gpu_memory_gib * GiB
@@ -205,7 +329,7 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
     elif train_total > cap:
         problems.append(("error", f"training needs ~{train_total / GiB:.1f} GiB per rank, more than {s.gpu_memory_gib:g} "
                          "GiB: lower train.micro_batch_size (raise grad_accum), data.max_length, or use ZeRO-2/3"))
-    if gen_total > cap and target_weights <= 0.9 * cap:
+    if gen_total > cap and target_weights <= 0.9 * cap and stage1["engine"] != "vllm":
         problems.append(("warning", f"data.responses.batch_size={d.responses.batch_size}: the KV cache needs "
                          f"~{kv_cache / GiB:.1f} GiB over {gen_len} tokens; lower it"))
     ctx = getattr(cfg, "max_position_embeddings", None)
@@ -252,8 +376,9 @@ def make_plan(recipe: Recipe, s: PlanSettings) -> dict:
                      "gpu_memory_gib": s.gpu_memory_gib},
         "data": {"prompts": prompts, "holdout": d.holdout, "max_length": d.max_length,
                  "response_tokens_max": response_tokens, "tokens_per_sample_est": sample_tokens,
-                 "generation_hours": gen_seconds / 3600, "gen_tokens_per_s_per_rank": s.gen_tokens_per_s,
-                 "feature_cache_bytes": float(feature_bytes)},
+                 "generation_hours": stage1["hours"], "feature_cache_bytes": float(feature_bytes)},
+        "data_stage": stage1,
+        "training_time": stage2,
         "schedule": {"max_steps": t.max_steps, "epochs": passes, "samples_seen": t.max_steps * global_batch,
                      "lr": t.lr, "warmup_steps": t.warmup_steps},
         "memory_per_rank": memory,
@@ -275,6 +400,7 @@ def _count(n: float) -> str:
 
 def format_plan(p: dict) -> str:
     t, h, par, d, sch, m = p["target"], p["head"], p["parallel"], p["data"], p["schedule"], p["memory_per_rank"]
+    g, tt = p["data_stage"], p["training_time"]
     hm, ha = m["head"], m["head_activations"]
     lines = [
         f"target   {t['name']} ({t['architecture']}): {_count(t['params'])} params, {t['layers']} layers, "
@@ -287,8 +413,16 @@ def format_plan(p: dict) -> str:
         f"= global batch {par['global_batch']}; ZeRO-{par['zero_stage']}, "
         + ("DeepSpeed bf16/fp16 weights" if par["deepspeed_mixed_precision"] else "fp32 head weights"),
         f"data     {d['prompts']} prompts (+{d['holdout']} held aside), up to {_count(d['response_tokens_max'])} "
-        f"response tokens: ~{d['generation_hours']:.2f} h to generate at {d['gen_tokens_per_s_per_rank']:g} tok/s "
-        f"per rank; ~{d['tokens_per_sample_est']} tokens/sample (max_length {d['max_length']})",
+        f"response tokens; ~{d['tokens_per_sample_est']} tokens/sample (max_length {d['max_length']})",
+        f"stage 1  {g['engine']} (data.responses.engine: {g['engine_setting']}): {g['instances']} instance(s) x "
+        f"TP {g['tensor_parallel']}, one prepare rank each writing its own shards; per GPU "
+        f"{_gib(g['gpu_bytes']['weights'])} weights + {_gib(g['gpu_bytes']['kv_cache'])} KV cache (batch {g['batch']})",
+        f"         ~{g['hours']:.2f} h at {g['rate_tok_s']:g} tok/s per instance ({g['rate_source']}); "
+        f">= {g['bound_hours']:.2f} h at the HBM bound ({g['bound_tok_s']:.0f} tok/s per instance)",
+        (f"stage 2  ~{tt['feature_hours']:.2f} h of target forwards into the feature cache (ESTIMATE)"
+         if tt["features"] == "offline" else "stage 2  none (features online: the target runs in every step)"),
+        f"training ~{tt['hours']:.2f} h (ESTIMATE: {tt['target_forward_flops'] if tt['features'] == 'online' else 0:.3g} "
+        f"target + {tt['head_flops']:.3g} head FLOPs at {tt['assumption']})",
         (f"features {_gib(d['feature_cache_bytes'])} on disk (train.features: offline)" if d["feature_cache_bytes"]
          else "features none on disk (train.features: online, recomputed every step)"),
         f"schedule {sch['max_steps']} steps, {sch['samples_seen']} samples seen = {sch['epochs']:.2f} passes; "
@@ -316,11 +450,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
     parser.add_argument("--gpus", type=int, default=PlanSettings.world_size, help="processes (GPUs) in the run")
     parser.add_argument("--gpu-memory", type=float, default=PlanSettings.gpu_memory_gib, help="GiB per GPU")
-    parser.add_argument("--gen-tok-s", type=float, default=PlanSettings.gen_tokens_per_s,
-                        help="assumed response tokens/s per rank while regenerating data")
+    parser.add_argument("--gen-tok-s", default=None,
+                        help="response tokens/s of one engine instance while regenerating data: a number, or a "
+                             "benchmarks/generation_throughput.py JSON (its fastest row for the recipe's engine and "
+                             "dtype); default: this repo's measurement, benchmarks/results/generation_throughput_vllm.json")
+    parser.add_argument("--gpus-per-node", type=int, default=PlanSettings.gpus_per_node)
+    parser.add_argument("--data-tp", type=int, default=None, help="vLLM tensor_parallel_size of the data stage")
+    parser.add_argument("--gpu-bandwidth", type=float, default=PlanSettings.gpu_bandwidth_gbs,
+                        help="HBM GB/s per GPU (the decode bound)")
+    parser.add_argument("--gpu-tflops", type=float, default=PlanSettings.gpu_tflops, help="dense bf16 TFLOP/s per GPU")
+    parser.add_argument("--mfu", type=float, default=PlanSettings.mfu, help="fraction of --gpu-tflops reached (assumed)")
     parser.add_argument("--prompt-tokens", type=int, default=PlanSettings.prompt_tokens,
                         help="assumed mean prompt length in tokens")
     parser.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+
+
+def settings_of(args: argparse.Namespace) -> PlanSettings:
+    """--gen-tok-s N is a rate, anything else a throughput file to read it from."""
+    rate, file = None, MEASURED
+    if args.gen_tok_s is not None:
+        try:
+            rate = float(args.gen_tok_s)
+        except ValueError:
+            file = Path(args.gen_tok_s)
+    return PlanSettings(args.gpus, args.gpu_memory, rate, file, args.prompt_tokens, args.gpus_per_node,
+                        args.data_tp, args.gpu_bandwidth, args.gpu_tflops, args.mfu)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -330,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        plan = make_plan(recipe, PlanSettings(args.gpus, args.gpu_memory, args.gen_tok_s, args.prompt_tokens))
+        plan = make_plan(recipe, settings_of(args))
     except (ConfigError, TargetError, HeadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,10 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# The recipes say data.responses.engine: auto (vLLM where installed); the tests run stage 1 on tiny
+# models vLLM's CPU attention cannot serve (head_dim < 64), in this process and in the runs they
+# launch, so auto means hf here. Tests of auto and of vLLM set the engine themselves.
+os.environ["DRAFTKIT_DATA_ENGINE"] = "hf"
 
 
 def make_tiny_target(vocab: int = 96, hidden: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2,
@@ -134,8 +138,8 @@ def make_arch_target(arch: str, vocab: int = 96, hidden: int = 32, layers: int =
     return Target(model.to(dtype), None, name=f"tiny-{arch}-{seed}")
 
 
-def save_vllm_llama(directory, vocab_size: int = 256, tokenizer=None, eos_token_id: int = 2, pad_token_id: int = 2,
-                    bos_token_id: int = 1):
+def save_vllm_target(directory, vocab_size: int = 256, tokenizer=None, eos_token_id: int = 2, pad_token_id: int = 2,
+                     bos_token_id: int = 1):
     """A tiny llama vLLM's CPU attention runs (MHA, head_dim 64), saved as an HF directory (with
     `tokenizer` when given), as a Target named by that directory: the verifier its exports name.
     Init std 0.2 and norms drawn at random, so greedy output varies (not one token repeated)."""

@@ -37,6 +37,7 @@ FAMILIES = {
     "eagle3": {"type": "eagle3", "draft_vocab_size": 64, "feature_layers": [1, 2, 3]},
     "medusa": {"type": "medusa", "num_heads": 3},
     "mtp": {"type": "mtp"},
+    "dflash": {"type": "dflash", "block_size": 4, "feature_layers": [1, 3]},
 }
 V = 96
 LENGTHS = (5, 11, 8, 14)
@@ -50,6 +51,7 @@ EXPORTS = {
     ("speculators", "eagle3"): GEMMA_EMBEDDING,
     ("vllm", "medusa"): {}, ("draftkit", "eagle"): {}, ("draftkit", "eagle3"): {}, ("draftkit", "medusa"): {},
     ("draftkit", "mtp"): {},
+    ("vllm", "dflash"): GEMMA_EMBEDDING, ("draftkit", "dflash"): {},
 }
 
 

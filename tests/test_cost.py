@@ -10,12 +10,14 @@
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from draftkit.heads import build_head
-from draftkit.inference.cost import (Candidate, Costs, auto_draft, candidates, check_costs, choose, format_choice,
-                                     simulate, trace_prompt)
+from draftkit.inference.cost import (Candidate, Costs, accept_law, auto_draft, candidates, check_costs, choose,
+                                     format_choice, position_step, simulate, step_visits, trace_prompt)
 from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import EvalSettings, evaluate
@@ -67,8 +69,8 @@ def test_simulated_steps_equal_a_real_run(fitted, c):
         assert stats.steps == len(steps), (c, prompt)
         if c.topk:  # tree steps report to the observer (lookup alone runs the chain); the last step
             # may accept past the end, which the simulation cuts (the output is cut there too)
-            assert [w for _, w in seen] == [w for _, w, _ in steps], (c, prompt)
-            assert [t for t, _ in seen][:-1] == [t for t, _, _ in steps][:-1], (c, prompt)
+            assert [w for _, w in seen] == [w for _, _, w, _ in steps], (c, prompt)
+            assert [t for t, _ in seen][:-1] == [t for _, t, _, _ in steps][:-1], (c, prompt)
 
 
 def test_the_traces_exercise_what_the_old_model_got_wrong(fitted):
@@ -79,6 +81,69 @@ def test_the_traces_exercise_what_the_old_model_got_wrong(fitted):
     assert any(p.branches[4] != p.branches[10][:4] for p in positions)
     tokens = sum(len(tr.tokens) - 1 for tr in traces)
     assert tokens / sum(len(simulate(tr, Candidate(3, 4, 12))) for tr in traces) > 2.0
+
+
+def enumerated_steps(laws: list[list[float]]) -> float:
+    """E[steps] of the renewal by brute force: every sequence of accepted counts, its probability."""
+    def from_(i: int) -> float:
+        if i >= len(laws):
+            return 0.0
+        return sum(p * (1 + from_(i + a + 1)) for a, p in enumerate(laws[i]) if p)
+    return from_(0)
+
+
+def test_sampled_steps_follow_the_renewal_not_a_position_average():
+    """T > 0: the expected steps over a trajectory are those of the run the laws give (a step that
+    accepts much skips the positions it covers), checked against enumeration on laws where
+    acceptance varies along the output: a long lookup match in the middle, nothing elsewhere. The
+    plain position average (the old model) overstates tokens per step there."""
+    g = torch.Generator().manual_seed(0)
+    laws = []
+    for i in range(14):
+        if 5 <= i < 9:  # a repeated span: 4 drafts accepted with probability 0.8
+            laws.append([0.1, 0.05, 0.03, 0.02, 0.8])
+        else:
+            w = [x * y for x, y in zip((6.0, 1.0, 0.5), torch.rand(3, generator=g, dtype=torch.float64).tolist())]
+            laws.append([x / sum(w) for x in w])
+    steps = sum(step_visits(laws))
+    assert steps == pytest.approx(enumerated_steps(laws), rel=1e-12)
+    mean_len = sum(sum(a * p for a, p in enumerate(law)) + 1 for law in laws) / len(laws)
+    assert len(laws) / steps < 0.95 * mean_len  # the position average would be 5%+ too optimistic here
+
+
+def test_sampled_tau_predicts_real_runs(fitted):
+    """T > 0 (0.3, so drafts are accepted on the tiny target): the tokens per step the traces
+    predict (the renewal over each sampled trajectory) are those of real runs at other seeds, for
+    a hybrid, a tree and a chain; the plain position average (the old model) misses them by more
+    than twice as much."""
+    target, head, _ = fitted
+    params, seeds = SamplingParams(0.3), range(5)
+    traces = [trace_prompt(target, head, p, NEW, params, s, TOPKS, DEPTH, stop_ids=[]) for s in seeds for p in PROMPTS]
+    n = sum(len(tr.tokens) - 1 for tr in traces)
+    for c in (Candidate(2, 2, 3, 4), Candidate(3, 2, 6), Candidate(1, 4, 4)):
+        drafter, kw = c.settings(DraftSettings()).decoder_args(head)
+        dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
+        runs = [dec.generate([p], NEW, params, [1000 + s])[1] for s in seeds for p in PROMPTS]
+        real = sum(st.new_tokens - 1 for st in runs) / sum(st.steps for st in runs)
+        renewal = n / sum(v for tr in traces for v, *_ in simulate(tr, c))
+        per = [acc + 1 for tr in traces for acc, _, _ in (position_step(q, [], c) for q in tr.positions)]
+        average = sum(per) / len(per)
+        assert real > 1.1, c  # drafts are accepted: the weighting matters
+        assert abs(renewal / real - 1) < 0.08, (c, real, renewal)
+        assert abs(average / real - 1) > 2 * abs(renewal / real - 1), (c, real, renewal, average)
+
+
+def test_sampled_laws_are_the_tree_walks():
+    """accept_law at T > 0: P(>= d accepted) = the summed reach of the verified nodes at depth d,
+    lookup's branch included once (a node both propose is one node)."""
+    from draftkit.inference.cost import Position
+
+    pos = Position(branches={2: [5, 6]}, ranked={2: [((5,), 1), ((7,), 1), ((5, 6), 2), ((5, 8), 2)]},
+                   reach={(5,): 0.5, (7,): 0.2, (5, 6): 0.3, (5, 8): 0.1})
+    assert accept_law(pos, Candidate(2, 2, 2)) == pytest.approx([0.3, 0.7])  # nodes 5, 7
+    assert accept_law(pos, Candidate(2, 2, 2, 2)) == pytest.approx([0.3, 0.4, 0.3])  # + lookup's (5, 6)
+    assert accept_law(pos, Candidate(2, 2, 4, 2)) == pytest.approx([0.3, 0.3, 0.4])  # (5, 6) counted once
+    assert accept_law(pos, Candidate(0, 0, 0, 2)) == pytest.approx([0.5, 0.2, 0.3])  # lookup alone
 
 
 def costs(verify_slope: float, plain_ms: float = 10.0) -> Costs:
@@ -121,6 +186,18 @@ def test_auto_on_a_machine_where_nothing_pays_says_plain_in_one_line(fitted, mon
     assert "plain decoding" in line and "plain step" in line and "verify" in line
 
 
+def test_lookup_alone_is_costed_with_its_own_loop_overhead(fitted):
+    """Lookup alone runs the chain path, not the hybrid tree the overhead probe runs: auto measures
+    its overhead with a lookup run and steps of lookup alone use it (trees keep the probe's)."""
+    target, head, _ = fitted
+    _, cal = auto_draft(target, head, PROMPTS[:1], topks=(2,), max_depth=2, max_new_tokens=8, rounds=1)
+    c = cal.costs[0.0]
+    assert c.lookup_overhead_ms is not None and c.lookup_overhead_ms != c.overhead_ms
+    lookup, tree = Candidate(0, 0, 0, 4), Candidate(2, 2, 3)
+    assert c.step(lookup, 5, False) - c.verify(5) == pytest.approx(c.lookup_ms + c.lookup_overhead_ms)
+    assert c.step(tree, 4, True) - c.verify(4) == pytest.approx(c.draft_ms[(2, 2)] + c.overhead_ms)
+
+
 def test_auto_respects_a_medusa_heads_depth():
     target = make_tiny_target()
     head = build_head({"type": "medusa", "num_heads": 2}, target).eval()
@@ -139,3 +216,88 @@ def test_inconsistent_profile_is_warned():
     wobbly = costs(0.1)
     wobbly.verify_ms[16] = 0.5 * wobbly.verify_ms[8]
     assert any("verify cost falls" in w for w in check_costs(wobbly))
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration searches only what the user left unset (draftkit eval --draft calibrate + size flags)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory):
+    """A saved tiny chat target (text prompts work) and an EAGLE head built against it."""
+    from tests.test_evaluate import chat_target
+
+    target, root = chat_target(), tmp_path_factory.mktemp("calibrate")
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    build_head({"type": "eagle"}, target).save_pretrained(root / "head")
+    return root
+
+
+def eval_cli(root, out, *flags):
+    from draftkit.cli import main as cli
+    from tests.test_evaluate import FIXTURES
+
+    return cli(["eval", "--head", str(root / "head"), "--target", str(root / "target"), "--prompts",
+                str(FIXTURES / "data" / "mtbench.jsonl"), "--max-new-tokens", "6", "--calibration-prompts", "1",
+                "--calibration-budget", "20", "--compare", "none", "--dtype", "float32", "--out", str(out), *flags])
+
+
+@pytest.mark.parametrize("flags, fixed, mode", [
+    (("--tree-topk", "2"), {"topk": 2}, "tree"),
+    (("--lookup-len", "6", "--tree-depth", "2"), {"lookup_len": 6, "depth": 2}, "hybrid"),
+    (("--tree-budget", "5", "--head-off-at", "4"), {"budget": 5, "head_off_at": 4}, "hybrid"),
+], ids=["topk", "lookup+depth", "budget+head_off"])
+def test_calibration_searches_only_the_fields_the_user_left_unset(chat_dirs, tmp_path, capsys, monkeypatch,
+                                                                    flags, fixed, mode):
+    """Every candidate simulated and every trace has the fixed values (and the implied mode); the
+    choice printed, written to draft.json and run is the ranking's first row, and its printed and
+    saved prediction is that row's (not another shape's with the flags pasted on afterwards)."""
+    from draftkit.inference import calibrate as calibrate_module, cost
+
+    seen, cals = [], []
+    real_predict, real_auto = cost.predict, calibrate_module.auto_draft
+    monkeypatch.setattr(cost, "predict", lambda tr, co, c: seen.append(c) or real_predict(tr, co, c))
+    monkeypatch.setattr(calibrate_module, "auto_draft",
+                        lambda *a, **k: (lambda out: cals.append(out[1]) or out)(real_auto(*a, **k)))
+    assert eval_cli(chat_dirs, tmp_path, "--draft", "calibrate", *flags) == 0
+    err = capsys.readouterr().err
+    assert seen and len(cals) == 1
+    for c in seen:
+        assert {f: getattr(c, f) for f in fixed} == fixed, c
+        assert c.topk > 0 and (c.lookup_len > 0) == (mode == "hybrid"), c
+    for tr in (t for trs in cals[0].traces.values() for t in trs):
+        for pos in tr.positions:
+            assert "topk" not in fixed or set(pos.ranked) == {fixed["topk"]}
+            assert "lookup_len" not in fixed or set(pos.branches) == {fixed["lookup_len"]}
+    best = cals[0].rows[0]
+    assert cals[0].choice == best["candidate"]  # a fixed mode never falls back to plain decoding
+    draft = json.loads((tmp_path / "draft.json").read_text())["draft"]
+    want = best["candidate"].settings(DraftSettings())
+    assert {f: draft[f] for f in ("mode", "topk", "depth", "budget", "head_off_at")} == \
+           {f: getattr(want, f) for f in ("mode", "topk", "depth", "budget", "head_off_at")}
+    assert mode != "hybrid" or draft["lookup_len"] == want.lookup_len
+    assert draft["mode"] == mode and {f: draft[f] for f in fixed} == fixed
+    assert draft["measured"]["predicted"] == best["by_temperature"]
+    assert draft["measured"]["fixed"] == {**fixed, "mode": mode}
+    line = next(ln for ln in err.splitlines() if ln.startswith("draft auto: ") and "(measured: " in ln)
+    p = best["by_temperature"]["0"]
+    assert line.startswith(f"draft auto: {DraftSettings.from_dict(draft).describe()}  (measured: predicted "
+                           f"T=0: tau {p['tau']:.2f}, {p['speedup']:.2f}x")
+    assert json.loads((tmp_path / "report.json").read_text())["draft"] == draft  # what ran
+
+
+def test_calibration_with_nothing_left_to_choose(chat_dirs, tmp_path, capsys, monkeypatch):
+    """--k fixes a whole chain: nothing is measured and the chain runs; an impossible combination
+    of fixed fields fails before measuring, naming them."""
+    from draftkit.inference import cli_eval
+
+    monkeypatch.setattr(cli_eval, "calibrate", lambda *a, **k: pytest.fail("calibration ran"))
+    assert eval_cli(chat_dirs, tmp_path / "k", "--draft", "calibrate", "--k", "3") == 0
+    rep = json.loads((tmp_path / "k" / "report.json").read_text())
+    assert (rep["draft"]["mode"], rep["draft"]["k"]) == ("chain", 3) and "nothing to calibrate" in rep["draft_source"]
+    monkeypatch.undo()
+    assert eval_cli(chat_dirs, tmp_path / "x", "--draft", "calibrate", "--tree-topk", "2", "--tree-depth", "1",
+                    "--tree-budget", "5") == 2
+    assert "no draft shape has topk=2, depth=1, budget=5 in mode tree" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.sampling import SamplingParams, logits_to_probs
 from draftkit.inference.tree import TreeShape
 from tests.conftest import LOOP_PROMPTS, batch, fit, fit_on_greedy_continuations, greedy, make_arch_target, make_tiny_target
+from tests.test_train import prompt_file, tiny_model_dir  # noqa: F401  (fixtures of the training-run test)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 B = 4  # block size of the tests: 3 drafts per block
@@ -109,6 +110,26 @@ def test_training_forward_equals_drafting(target):
         torch.testing.assert_close(got[1:2], want, rtol=1e-4, atol=1e-5)
 
 
+def test_engine_block_drafts_as_a_head_of_block_k_plus_1(target):
+    """engine_block (vLLM's rule: 1 + k query slots): the k drafts equal those of the same weights
+    with block_size k + 1, and differ from the full block's (bidirectional: every slot counts)."""
+    head = head_for(target)
+    f = feats_of(target, head, T=10)
+    small = build_head({"type": "dflash", "block_size": 3, "feature_layers": [1, 3]}, target).eval()
+    small.load_state_dict(head.state_dict())
+
+    def drafts(h, engine: bool):
+        seen = []
+        h.engine_block = engine
+        h.draft(h.new_draft_state(3), f.hidden[:, :6], f.input_ids[:, 1:7], torch.ones(3, 6, dtype=torch.bool), 2,
+                lambda logits: (seen.append(logits) or logits.argmax(-1), None))
+        h.engine_block = False
+        return torch.stack(seen)
+
+    torch.testing.assert_close(drafts(head, True), drafts(small, False), rtol=0, atol=0)
+    assert not torch.allclose(drafts(head, True), drafts(head, False), atol=1e-3)
+
+
 def test_block_loss_equals_a_hand_computation(target):
     """eval mode takes every anchor: loss = sum_{a,i} w_i KL(p_target(x_{a+i}) || p̂_{a,i}) / sum w,
     w_i = exp(-(i-1)/gamma), over a >= 1 with x_{a+1} a loss token and x_{a+i} a real loss token;
@@ -120,7 +141,8 @@ def test_block_loss_equals_a_hand_computation(target):
     got = head.loss(f)
     with torch.no_grad():
         p_target = torch.log_softmax(target.lm_head(f.final_hidden).float(), -1)  # (3, T, V)
-    num = den = hits = firsts = 0.0
+    num = den = 0.0
+    hits, rows = [0.0] * B, [0] * B
     for n in range(3):
         T = int(attn[n].sum())
         for a in range(1, T - 1):
@@ -137,11 +159,39 @@ def test_block_loss_equals_a_hand_computation(target):
                 kl = (p_target[n, a + i - 1].exp() * (p_target[n, a + i - 1] - logq)).sum()
                 w = math.exp(-(i - 1) / gamma)
                 num, den = num + w * kl, den + w
-                if i == 1:
-                    firsts += 1
-                    hits += float(logq.argmax() == p_target[n, a].argmax())
+                rows[i] += 1
+                hits[i] += float(logq.argmax() == p_target[n, a + i - 1].argmax())
     torch.testing.assert_close(got["loss"], torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-6)
-    assert got["tokens"].item() == firsts and got["acc"].item() == pytest.approx(hits / firsts)
+    assert got["tokens"].item() == rows[1] and got["acc"].item() == pytest.approx(hits[1] / rows[1])
+    for i in range(1, B):  # agreement per block position, on the rows that position has
+        assert got[f"tokens_{i}"].item() == rows[i] and got[f"acc_{i}"].item() == pytest.approx(hits[i] / rows[i])
+    assert rows[B - 1] < rows[1]  # fewer rows at the far positions: the counts differ per position
+
+
+def test_heldout_agreement_per_block_position(target):
+    """The trainer's held-aside sums (train/loop.py heldout_sums with the head's agreement_positions),
+    one sample per micro-batch, give each position's agreement over ALL held-aside rows of that
+    position: what one forward over every sample at once measures (eval mode takes every anchor)."""
+    from draftkit.train.loop import heldout_sums
+
+    head = head_for(target)
+    ids, attn, lm = batch(target, B=3, T=10, seed=6)
+    samples = [{"input_ids": ids[n, :int(attn[n].sum())].tolist(), "loss_mask": lm[n, :int(attn[n].sum())].tolist()}
+               for n in range(3)]
+
+    def forward(chunk):
+        L = max(len(s["input_ids"]) for s in chunk)
+        pad = lambda key: torch.tensor([s[key] + [0] * (L - len(s[key])) for s in chunk])  # noqa: E731
+        a = torch.tensor([[1] * len(s["input_ids"]) + [0] * (L - len(s["input_ids"])) for s in chunk])
+        return head.loss(target.features(pad("input_ids"), a, head.feature_layers, pad("loss_mask"), top1=True))
+
+    assert head.agreement_positions == tuple(range(1, B))
+    loss, acc, n, *per = heldout_sums(forward, samples, micro=1, positions=head.agreement_positions).tolist()
+    whole = head.loss(target.features(ids, attn, head.feature_layers, lm, top1=True))
+    assert n == whole["tokens"].item() and acc / n == pytest.approx(whole["acc"].item())
+    for j, i in enumerate(head.agreement_positions):
+        assert per[2 * j + 1] == whole[f"tokens_{i}"].item()
+        assert per[2 * j] / per[2 * j + 1] == pytest.approx(whole[f"acc_{i}"].item())
 
 
 def test_training_anchors_follow_the_rules(target):
@@ -320,6 +370,63 @@ def test_vllm_export_loads_in_vllms_dflash_model(tiny_target, tmp_path, draft_vo
         assert not any(got["params"][name][t.numel():]), name
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("draft_vocab", [None, 48])
+def test_speculators_export_runs_in_speculators_as_our_head(tmp_path, draft_vocab):
+    """speculators 0.9's own DFlashDraftModel (its venv, a subprocess: tests/speculators_dflash_load.py)
+    loads our `--format speculators` export, every file tensor bit-for-bit, the rest from the
+    verifier, and its training forward over every block start gives our head's draft logits; a head
+    that trained its own mask vector is refused (speculators has none)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks.check_speculators_load import default_venv
+    from draftkit.export import ExportError, export_head
+    from draftkit.target import Target
+
+    venv = Path(os.environ.get("DRAFTKIT_SPECULATORS_VENV", default_venv()))
+    if not (venv / "bin" / "python").exists():
+        if os.environ.get("DRAFTKIT_CHECK_SPECULATORS") == "1":
+            pytest.fail(f"no speculators venv at {venv} (DRAFTKIT_CHECK_SPECULATORS=1)")
+        pytest.skip(f"no speculators venv at {venv}: benchmarks/check_speculators_load.py creates it")
+    tiny = make_arch_target("llama")
+    tiny.model.save_pretrained(tmp_path / "verifier")  # speculators reads embed_tokens / lm_head from it
+    target = Target(tiny.model, None, name=str(tmp_path / "verifier"))
+    head = head_for(target, draft_vocab_size=draft_vocab, train_mask_embedding=False)
+    ids = torch.randint(3, target.vocab_size, (1, 14), generator=torch.Generator().manual_seed(3))
+    if draft_vocab:
+        head.set_draft_vocab(tokens=batch(target, B=8, T=16)[0])
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "speculators", tmp_path / "spec", target=target)
+    f = target.features(ids, None, head.feature_layers)
+    torch.save({"hidden": f.hidden, "input_ids": ids}, tmp_path / "inputs.pt")
+    r = subprocess.run([venv / "bin" / "python", Path(__file__).with_name("speculators_dflash_load.py"), out,
+                        tmp_path / "inputs.pt", tmp_path / "got.pt"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (got["config_class"], got["model_class"]) == ("DFlashSpeculatorConfig", "DFlashDraftModel")
+    assert got["aux_layer_ids"] == list(head.feature_layers) and got["mask_token_id"] == head.config.mask_token_id
+    assert got["draft_vocab_size"] == (draft_vocab or target.vocab_size) and got["block_size"] == B
+    assert not got["unloaded_file_tensors"] and not got["mismatched"]
+    from_verifier = {"embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
+    assert set(got["not_in_file"]) == from_verifier | (set() if draft_vocab else {"lm_head.weight"})
+    theirs = torch.load(tmp_path / "got.pt", weights_only=True)
+    anchors = torch.arange(0, ids.shape[1] - B)[None]  # speculators' starts: every a < T - B (a = 0 included)
+    assert theirs["block_positions"].tolist() == (anchors[0, :, None] + torch.arange(B)).flatten().tolist()
+    with torch.no_grad():
+        ours = head.vocab_logits(head.block_outputs(f, anchors))[0].flatten(0, 1)  # (A*B, N)
+    torch.testing.assert_close(theirs["logits"], ours, rtol=1e-4, atol=1e-4)
+    trained = head_for(target)  # its own mask vector
+    with torch.no_grad():
+        trained.mask_embedding.add_(0.1)
+    trained.save_pretrained(tmp_path / "trained")
+    with pytest.raises(ExportError, match="mask_embedding: this head trained its own mask vector"):
+        export_head(tmp_path / "trained", "speculators", tmp_path / "no", target=target)
+
+
 def test_tree_children_come_from_their_depths_position(target):
     """A width-1 tree is the greedy chain; at width 2 the depth-d nodes are position d's top-2."""
     head = head_for(target)
@@ -385,3 +492,21 @@ def test_draft_auto_measures_a_dflash_head_within_its_block(tiny_target):
                                rounds=1)
     assert 1 <= chosen.depth <= B - 1 and chosen.mode in ("plain", "chain", "tree", "hybrid", "lookup")
     assert calib.rows and max(r["candidate"].depth for r in calib.rows) == B - 1  # asked 8, measured to the block
+
+
+@pytest.mark.integration
+def test_training_run_logs_heldout_agreement_per_block_position(tiny_model_dir, prompt_file, tmp_path):  # noqa: F811
+    """A DFlash training run (draftkit/train/run.py, DeepSpeed, one process) logs the held-aside
+    agreement of every block position 1..B-1 beside the usual top-1, each a rate."""
+    import json
+
+    from tests.test_train import python_run, recipe_args
+
+    args = recipe_args(tiny_model_dir, prompt_file, tmp_path / "run", tmp_path / "cache", "train.max_steps=2",
+                       "head.type=dflash", f"head.block_size={B}", "head.feature_layers=[1, 3]")
+    res = python_run(args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    per = {k: v for k, v in log[-1].items() if k.startswith("heldout_acc_")}
+    assert sorted(per) == [f"heldout_acc_{i}" for i in range(1, B)] and all(0 <= v <= 1 for v in per.values())
+    assert per["heldout_acc_1"] == pytest.approx(log[-1]["heldout_acc"])  # position 1 is the top-1 figure

@@ -10,6 +10,7 @@ fails, =0 leaves them out, unset: they run when a vLLM is found. ~1 min (two eng
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -147,3 +148,178 @@ def test_vllm_rerun_skips_finished_work(both, monkeypatch):
     monkeypatch.setattr(vllm_data, "generate_responses", no_engine)
     assert prepare(recipe, target, ONE, 10) == out["vllm"]
     assert read_manifest(out["vllm"])["splits"] == read_manifest(out["hf"])["splits"]
+
+
+# ---- engine auto, and stage 1 without the HF decoder ------------------------------------------------
+
+@pytest.fixture
+def fresh_auto(monkeypatch):
+    """engine_of's per-process memory of what auto resolved to, emptied for this test."""
+    import importlib
+
+    rg = importlib.import_module("draftkit.distill.regenerate")  # the module (the package re-exports a function)
+    monkeypatch.setattr(rg, "_ENGINES", {})
+    monkeypatch.delenv("DRAFTKIT_DATA_ENGINE", raising=False)  # conftest's "auto means hf in tests"
+    return rg
+
+
+@pytest.mark.parametrize("python", ["missing", "not_vllm"])
+def test_auto_is_hf_without_vllm_and_keys_say_hf(python, fresh_auto, tiny_model_dir, tmp_path, monkeypatch,
+                                                  caplog):
+    """DRAFTKIT_VLLM_PYTHON naming no Python, or one without vllm: auto answers with HF, into the
+    very cache (and prepared-data fingerprint) engine hf writes, and says so once with the reason."""
+    import logging
+    import sys
+
+    from draftkit.distill.prepare import data_fingerprint
+    from draftkit.target import load_target
+
+    monkeypatch.setenv("DRAFTKIT_VLLM_PYTHON", str(tmp_path / "no-python") if python == "missing" else sys.executable)
+    target = load_target(str(tiny_model_dir), dtype="float32")
+    tid = f"{target.name}:{target.fingerprint}"
+    auto = GenerationSettings(max_new_tokens=6, batch_size=4, engine="auto")
+    with caplog.at_level(logging.INFO, logger="draftkit.distill.regenerate"):
+        assert fresh_auto.engine_of(auto) == "hf" and fresh_auto.engine_of(auto) == "hf"
+    said = [r.getMessage() for r in caplog.records if "engine auto" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("data.responses.engine auto -> hf: vLLM not found")
+    generated = count_generate(target.model, monkeypatch)
+    ctx = DataContext(target.model, target.tokenizer, tmp_path / "c", tid, progress=False)
+    regenerate(ctx, PROMPTS, auto)
+    assert generated == [4]
+    hf = dataclasses.replace(auto, engine="hf")
+    assert [p.name for p in (tmp_path / "c").glob("responses-*")] == [
+        fresh_auto._cache_dir(tmp_path / "c", hf, tid, "float32").name]
+    recipe = lambda e: load_recipe(ROOT / "recipes" / "quick.yaml", [f"data.responses.engine={e}"])  # noqa: E731
+    assert data_fingerprint(recipe("auto"), target, 10) == data_fingerprint(recipe("hf"), target, 10)
+
+
+def test_auto_is_vllm_where_it_is_found(fresh_auto, monkeypatch, tiny_model_dir):
+    """With a Python that imports vllm, auto is vllm, and everything keyed says vllm, not auto: the
+    prepared data of an engine vllm run (the lead's) is the auto run's."""
+    from draftkit.distill.prepare import data_fingerprint
+    from draftkit.target import load_target
+
+    monkeypatch.setenv("DRAFTKIT_VLLM_PYTHON", vllm_python())
+    auto = GenerationSettings(engine="auto")
+    assert fresh_auto.engine_of(auto) == "vllm"
+    assert fresh_auto.resolved(auto).fingerprint("t", "float32") == dataclasses.replace(
+        auto, engine="vllm").fingerprint("t", "float32")
+    target = load_target(str(tiny_model_dir), dtype="float32")
+    recipe = lambda e: load_recipe(ROOT / "recipes" / "quick.yaml", [f"data.responses.engine={e}"])  # noqa: E731
+    fps = {e: data_fingerprint(recipe(e), target, 10) for e in ("auto", "vllm", "hf")}
+    assert fps["auto"] == fps["vllm"] != fps["hf"]
+
+
+def test_the_recipes_answer_with_auto():
+    """Every recipe that regenerates says engine auto (the faster engine where vLLM is installed)."""
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        r = load_recipe(path, []).data.responses
+        assert r.mode == "keep" or r.engine == "auto", path.name
+
+
+@pytest.fixture(scope="module")
+def magpie_target_dir(tmp_path_factory):
+    """vllm_target_dir's llama untied, its end-of-turn logit row x6: it ends a turn within a few
+    tokens, so Magpie synthesis keeps prompts (a random model alone almost never ends one)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    vllm_python()
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, initializer_range=0.2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 6
+    out = tmp_path_factory.mktemp("vllm-magpie-target")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_prepare_with_vllm_builds_no_hf_decoder(magpie_target_dir, tmp_path, monkeypatch, fresh_auto):
+    """`draftkit prepare` with engine vllm, prompts synthesized Magpie-style, answered and grounded
+    tasks answered, all by vLLM: every HF model it builds has 0 decoder layers (the shell: tokenizer,
+    template, embeddings), HF's generate never runs, and the shards are written."""
+    import transformers
+    from transformers import GenerationMixin
+
+    from draftkit.cli import main
+    from draftkit.distill.prepare import load_prepared
+
+    built, original = [], transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        built.append((out[0] if isinstance(out, tuple) else out).config.num_hidden_layers)
+        return out
+
+    def no_generate(*args, **kwargs):
+        raise AssertionError("HF generate ran in a vLLM stage 1")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(GenerationMixin, "generate", no_generate)
+    args = [f"target.path={magpie_target_dir}", "target.dtype=float32", "data.sources=[]",
+            f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}", "data.holdout=0",
+            "data.max_length=400", "data.num_prompts=6", "data.grounded.fraction=0.5", "data.grounded.min_chars=1",
+            "data.responses.engine=vllm", "data.responses.max_new_tokens=12", "data.responses.batch_size=4",
+            "data.synthesize.batch_size=8", "data.synthesize.max_new_tokens=16", "data.synthesize.min_chars=1",
+            "head.type=eagle", "head.draft_vocab_size=64"]
+    assert main(["prepare", str(ROOT / "recipes" / "quick.yaml"), *args]) == 0
+    assert built and set(built) == {0}, built  # no decoder layer was ever built
+    out = next((tmp_path / "cache" / "prepared").iterdir())
+    data = load_prepared(out)
+    assert len(data.train) == 6 and data.stats["source"] == "synthesized" and data.stats["grounded"] == 3
+    batches = list((tmp_path / "cache").glob("magpie-*/batch-*.json"))
+    assert batches and all(json.loads(b.read_text()) for b in batches)  # vLLM's sampled rows, kept
+
+
+def test_auto_follows_draftkit_data_engine(fresh_auto, monkeypatch):
+    """$DRAFTKIT_DATA_ENGINE decides auto without looking for vLLM (and a wrong value is named)."""
+    monkeypatch.setenv("DRAFTKIT_VLLM_PYTHON", "/nonexistent/python")
+    for forced in ("vllm", "hf"):
+        monkeypatch.setenv("DRAFTKIT_DATA_ENGINE", forced)
+        assert fresh_auto.engine_of(GenerationSettings(engine="auto")) == forced
+    assert fresh_auto.engine_of(GenerationSettings(engine="hf")) == "hf"
+    monkeypatch.setenv("DRAFTKIT_DATA_ENGINE", "sglang")
+    with pytest.raises(ValueError, match="DRAFTKIT_DATA_ENGINE='sglang'"):
+        fresh_auto.engine_of(GenerationSettings(engine="auto"))
+
+
+def test_trainer_runs_a_vllm_stage_1_before_it_loads_the_hf_decoder(magpie_target_dir, prompt_file, tmp_path,
+                                                                      monkeypatch):
+    """On a GPU vLLM takes its share of the memory: the trainer answers stage 1 through vLLM with a
+    shell target, and builds the HF decoder (which its online features need) only after vLLM stopped."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from draftkit.engines import vllm_data
+    from draftkit.train.loop import Trainer
+
+    events, load, start = [], transformers.AutoModelForCausalLM.from_pretrained, vllm_data.generate_responses
+
+    def spy_load(*args, **kwargs):
+        out = load(*args, **kwargs)
+        events.append(("hf", (out[0] if isinstance(out, tuple) else out).config.num_hidden_layers))
+        return out
+
+    def spy_vllm(*args, **kwargs):
+        events.append(("vllm", "start"))
+        yield from start(*args, **kwargs)
+        events.append(("vllm", "stop"))
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy_load)
+    monkeypatch.setattr(vllm_data, "generate_responses", spy_vllm)
+    recipe = load_recipe(ROOT / "recipes" / "quick.yaml", recipe_args(
+        magpie_target_dir, prompt_file, tmp_path / "run", tmp_path / "cache", "data.holdout=0", "data.num_prompts=8",
+        "data.responses.engine=vllm", "train.features=online"))
+    fake = SimpleNamespace(recipe=recipe, dist=ONE, global_batch=8, main=True)
+    fake.stage1_before_decoder = lambda load: Trainer.stage1_before_decoder(fake, load)
+    target = Trainer.target_for_training(fake)
+    assert target.has_transformer and ("hf", 2) in events
+    assert events.index(("vllm", "stop")) < events.index(("hf", 2)), events
+    assert all(e == ("hf", 0) for e in events[:events.index(("vllm", "start"))]), events
+

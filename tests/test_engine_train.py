@@ -1,6 +1,6 @@
 """train.engine_eval_every: the head as trained so far, served by vLLM during training, logged beside the loss.
 
-A tiny llama vLLM runs (tests/conftest.py: save_vllm_llama) with the fixture tokenizer is trained for
+A tiny llama vLLM runs (tests/conftest.py: save_vllm_target) with the fixture tokenizer is trained for
 6 steps with the engine's evaluation every 3; the figures logged at steps 3 and 6 must EQUAL draftkit's
 loop under vLLM's rule (fp32, T = 0, as tests/test_engine_vllm.py shows they do) run on the head of that
 very step (read back from the step's checkpoint) on the held-aside prompts. A hook that served a stale
@@ -19,7 +19,7 @@ import torch
 from draftkit.engines import vllm as ev
 from draftkit.engines.vllm_eval import EngineEvalSettings, run_loop, run_name, served_head
 from draftkit.engines.vllm_train_eval import export_now, prompt_ids
-from tests.conftest import save_vllm_llama, vllm_python
+from tests.conftest import save_vllm_target, vllm_python
 from tests.test_train import FIXTURES, prompt_file, python_run, recipe_args  # noqa: F401 (prompt_file: a fixture)
 
 K, N_NEW, EVERY, STEPS = 3, 16, 3, 6
@@ -34,7 +34,7 @@ def target_dir(tmp_path_factory) -> Path:
 
     tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
     out = tmp_path_factory.mktemp("vllm-target") / "target"
-    save_vllm_llama(out, vocab_size=len(tok), tokenizer=tok, eos_token_id=tok.eos_token_id,
+    save_vllm_target(out, vocab_size=len(tok), tokenizer=tok, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
     return out
 

@@ -13,6 +13,7 @@ unset: they run when a vLLM is found.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from draftkit.engines.vllm_eval import EngineEvalSettings, engine_eval, loop_dec
 from draftkit.export import export_head
 from draftkit.export import layout as layouts
 from draftkit.heads import build_head
-from tests.conftest import fit, save_vllm_llama, vllm_python
+from tests.conftest import fit, save_vllm_target, vllm_python
 
 N_NEW, K, BATCH = 24, 3, 4
 HEADS = {"eagle": {"type": "eagle"}, "eagle3": {"type": "eagle3", "feature_layers": [1, 2, 3], "draft_vocab_size": 128},
@@ -48,7 +49,7 @@ def world(tmp_path_factory):
     from draftkit.inference.decoder import plain_generate
 
     root = tmp_path_factory.mktemp("vllm")
-    target = save_vllm_llama(root / "target")  # the export's verifier: this directory
+    target = save_vllm_target(root / "target")
     prompts = torch.randint(3, 256, (8, 4), generator=torch.Generator().manual_seed(1)).tolist()
     ref, _, _ = plain_generate(target, prompts, max_new_tokens=N_NEW, stop_ids=[])
     seqs = torch.tensor([p + r for p, r in zip(prompts, ref)])
@@ -206,3 +207,131 @@ def test_eval_engine_vllm_without_vllm_says_how_to_get_it(monkeypatch, tmp_path,
     assert main(["eval", "--engine", "vllm", "--head", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "setup_vllm.sh" in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- engine draft auto: the chain vLLM should serve, measured in vLLM (engines/vllm_auto.py) ------------
+
+def test_compare_at_t_gt_0_takes_a_position_one_side_never_reached_as_no_evidence():
+    """Seen at T = 1: "alpha_2: ours 0.0, engine None (one side never reached it)". A conditional rate
+    with a zero denominator on one side is no evidence at T > 0 when the other side reached that
+    position about as rarely (its reach rate within the sampling tolerance of 0); at T = 0 fp32 strict."""
+    ours = ev.figures(128, [1, 0, 0], 3)  # reached position 2 once in 128 drafts, accepted 0 there
+    engine = ev.figures(128, [0, 0, 0], 3)  # never reached it
+    assert (ours["alpha"][1], engine["alpha"][1]) == (0.0, None)
+    assert ev.compare(ours, engine, greedy_fp32=False)["ok"]
+    strict = ev.compare(ours, engine, greedy_fp32=True)
+    assert not strict["ok"] and any(f.startswith("alpha_2") for f in strict["failures"]), strict
+    often = ev.figures(128, [40, 10, 2], 3)  # reached it 40 times in 128: far outside the tolerance of 0
+    assert any(f.startswith("alpha_2") for f in ev.compare(often, engine, greedy_fp32=False)["failures"])
+
+
+@pytest.fixture(scope="module")
+def eagle_sweep(world, engine_python):
+    """One worker process: vLLM plain and chains k = 1 and 3 of the fitted EAGLE head; plus the SGLang
+    tree from our loop's calibration (a small budget)."""
+    from draftkit.engines.vllm_auto import SweepSettings, engine_auto
+    from draftkit.engines.vllm_eval import served_head, verifier_dir
+
+    export = export_head(world["root"] / "eagle", "vllm", world["root"] / "eagle-sweep-vllm", target=world["target"])
+    contract = json.loads((export / "config.json").read_text())["draftkit_contract"]
+    s = SweepSettings(ks=(1, 3), max_new_tokens=N_NEW, batch_size=BATCH, ignore_eos=True, python=engine_python)
+    head = served_head(export, world["target"], world["root"] / "sweep-work")
+    choice = engine_auto(world["target"], export, contract, verifier_dir(contract), world["prompts"], s, [], head=head,
+                         loop_budget_s=10)
+    return export, choice
+
+
+@pytest.mark.integration
+def test_engine_sweep_serves_each_chain_and_chooses_by_vllm_speed(eagle_sweep, world):
+    from draftkit.export.serving import sglang_invalid
+
+    export, choice = eagle_sweep
+    sweep, rec = choice["sweep"], choice["vllm"]
+    for name, outs in sweep["outputs"].items():
+        assert outs["T=0"] == world["ref"], name  # every chain lossless in the engine
+    for row in sweep["rows"]:
+        k, c = row["k"], row["by_temperature"]["T=0"]["counters"]
+        # a chain of exactly k: more draft tokens than k - 1 per draft could give (the last steps of a
+        # sequence may propose fewer), never more than k
+        assert (k - 1) * c["num_drafts"] < c["num_draft_tokens"] <= k * c["num_drafts"], (k, c)
+        dec = loop_decoder(world["target"], world["heads"]["eagle"], k, [])
+        _, stats = dec.generate(world["prompts"], N_NEW)
+        engine, ours = ev.engine_figures(c, k), ev.loop_figures(stats)
+        assert (engine["drafts"], engine["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"]), k
+        assert row["speedup"] == row["by_temperature"]["T=0"]["tok_s"] / sweep["plain"]["T=0"]  # beside plain, same run
+    best = max(sweep["rows"], key=lambda r: r["speedup"])
+    if best["speedup"] > rec["margin"]:
+        assert (rec["choice"], rec["num_speculative_tokens"], rec["tok_s"]) == ("chain", best["k"], best["by_temperature"]["T=0"]["tok_s"])
+    else:
+        assert rec["choice"] == "plain" and rec["num_speculative_tokens"] is None and rec["best"]["k"] == best["k"]
+    assert rec["plain_tok_s"] == sweep["plain"]["T=0"] and rec["engine_measured"] and rec["vllm_version"]
+    sg = choice["sglang"]
+    assert sg["engine"] == "sglang" and not sg["engine_measured"]
+    if sg["choice"] == "tree":
+        assert sglang_invalid(sg["speculative_eagle_topk"], sg["speculative_num_steps"],
+                              sg["speculative_num_draft_tokens"] - 1) is None
+
+
+@pytest.mark.integration
+def test_inspect_prints_the_vllm_flags_measured_in_vllm(eagle_sweep, tmp_path):
+    """The choice written into the export's contract is what `draftkit inspect` prints, labelled."""
+    import shutil
+
+    from draftkit.engines.vllm_auto import set_config_key
+    from draftkit.export.cli_inspect import inspect_dir
+
+    export, choice = eagle_sweep
+    copy = tmp_path / "export"
+    shutil.copytree(export, copy)
+    set_config_key(copy, {"vllm": choice["vllm"], "sglang": choice["sglang"]})
+    lines = inspect_dir(copy)["lines"]
+    v = choice["vllm"]
+    measured = [ln for ln in lines if f"measured in vLLM {v['vllm_version']}" in ln]
+    assert measured and f"vs plain {v['plain_tok_s']:.1f} tok/s" in measured[0], lines
+    if v["choice"] == "chain":
+        flags = next(ln for ln in lines if ln.startswith("vLLM: speculative_config "))
+        cfg = json.loads(flags.removeprefix("vLLM: speculative_config "))
+        assert cfg == {"method": "eagle", "model": str(copy), "num_speculative_tokens": v["num_speculative_tokens"]}
+    else:
+        assert any(ln.startswith("vLLM: serve plain decoding") for ln in lines), lines
+    assert any("not engine-measured (SGLang has no CPU path here)" in ln for ln in lines if "SGLang" in ln), lines
+
+
+def test_engine_draft_choice_reuses_a_saved_vllm_choice_in_order(tmp_path, capsys):
+    """--k wins; --draft auto takes the head's engine_draft, else --out/engine_draft.json measured for
+    the same head, target, dtype and device, else measures (None); calibrate always measures; a tree
+    shape is refused (vLLM serves chains); a saved plain choice is evaluated as its best chain."""
+    import argparse
+
+    from draftkit.engines.vllm_auto import ENGINE_DRAFT_FILE, choice_file, set_config_key
+    from draftkit.engines.vllm_eval import engine_draft_choice
+    from draftkit.inference.cli_eval import add_arguments
+    from tests.conftest import make_tiny_target
+
+    target = make_tiny_target()
+    head_dir, out = tmp_path / "head", tmp_path / "out"
+    build_head({"type": "eagle"}, target).save_pretrained(head_dir)
+    out.mkdir()
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+
+    def choice(*flags):
+        return engine_draft_choice(p.parse_args(["--engine", "vllm", "--head", str(head_dir), "--out", str(out),
+                                                 *flags]), head_dir, out, target)
+
+    assert choice() == (None, "measured now", None)  # nothing saved: measure
+    chain = {"vllm": {"choice": "chain", "num_speculative_tokens": 4, "best": {"k": 4}}}
+    (out / ENGINE_DRAFT_FILE).write_text(json.dumps(choice_file(chain, head_dir, target)))
+    assert choice()[:2] == (4, str(out / ENGINE_DRAFT_FILE))
+    other = make_tiny_target(seed=1)  # another target (fingerprint): not reused
+    (out / ENGINE_DRAFT_FILE).write_text(json.dumps(choice_file(chain, head_dir, other)))
+    assert choice()[0] is None and "another head, target" in capsys.readouterr().err
+    plain = {"vllm": {"choice": "plain", "num_speculative_tokens": None, "best": {"k": 2}}}
+    set_config_key(head_dir, plain)  # --save-draft's place: the head's own config.json
+    assert choice() == (2, str(head_dir / "config.json"), plain)
+    assert choice("--k", "5") == (5, "flags", None)
+    assert choice("--draft", "calibrate")[0] is None
+    assert choice("--draft-from", str(head_dir))[:2] == (2, str(head_dir))
+    for flags in (["--draft", "tree"], ["--tree-topk", "4"]):
+        with pytest.raises(ValueError, match="serves chains"):
+            choice(*flags)

@@ -460,7 +460,7 @@ def test_size_flags_are_kept_exactly_and_imply_the_mode():
     """Any size flag given decides the mode (--k chain, --tree-* tree, --lookup-len/--head-off-at
     hybrid) and keeps its value; nothing is measured then; an explicit value equal to the default
     counts as given."""
-    from draftkit.inference.cli_eval import draft_from_flags, keep_user_values
+    from draftkit.inference.cli_eval import draft_from_flags, search_space
     from draftkit.inference.drafters import DraftSettingsError
 
     saved = DraftSettings(mode="hybrid", topk=8, depth=1, budget=8, lookup_len=10, lookup_ngram=2,
@@ -486,14 +486,16 @@ def test_size_flags_are_kept_exactly_and_imply_the_mode():
     assert measure and d.lookup_ngram == 3  # calibration starts from the user's n
     with pytest.raises(DraftSettingsError, match="--k is a chain's length but depth"):
         draft_from_flags(parse("--k", "3", "--tree-depth", "2"), None)
-    # --draft calibrate measures, and the flags given win over what it chose
+    # --draft calibrate measures, searching only what the flags left unset (tests/test_cost.py runs it);
+    # --k fixes a whole chain: nothing left to measure
     args = parse("--draft", "calibrate", "--tree-topk", "2", "--ngram-n", "3")
     d, measure = draft_from_flags(args, None)
-    assert measure and d.topk == 2
-    kept = keep_user_values(saved, args)
-    assert (kept.mode, kept.topk, kept.lookup_ngram, kept.depth, kept.budget) == ("tree", 2, 3, 1, 8)
-    assert "kept from the flags: topk=2, lookup_ngram=3" in kept.chosen_by
-    assert keep_user_values(saved, parse("--draft", "calibrate")) == saved
+    assert measure and (d.topk, d.lookup_ngram) == (2, 3)
+    space = search_space(args)
+    assert (space.fixed, space.mode) == ({"topk": 2}, "tree")
+    assert (search_space(parse("--draft", "calibrate")).fixed, search_space(parse("--draft", "calibrate")).mode) == ({}, None)
+    d, measure = draft_from_flags(parse("--draft", "calibrate", "--k", "3"), None)
+    assert (d.mode, d.k, measure) == ("chain", 3, False)
 
 
 def test_cli_tree_flags_without_draft_are_not_calibrated_away(saved, head_without_draft, tmp_path, monkeypatch):

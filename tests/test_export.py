@@ -3,6 +3,7 @@ is refused with a message that names the tensor, field or file."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -119,16 +120,26 @@ def test_refusals_name_what_is_missing(target, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-def test_eagle_draft_vocab_is_refused_or_dropped_explicitly(fmt, target, tmp_path, capsys):
-    """vLLM's and SGLang's llama_eagle draft over the full vocabulary: d2t is never lost silently."""
+def test_eagle_draft_vocab_is_refused_or_dropped_explicitly(fmt, target, tmp_path, capsys, caplog):
+    """vLLM's and SGLang's llama_eagle draft over the full vocabulary: d2t is never lost silently.
+    vLLM's EAGLE-1 has no d2t at all, so there the common path (no flag) expands with a note;
+    SGLang's takes a token map instead, so there it is refused unless --full-vocab."""
     from draftkit.cli import main
 
     src = make_head("eagle_vocab", target, tmp_path / "head")
     with pytest.raises(ExportError, match=r"d2t.*--full-vocab"):
-        export_head(src, fmt, tmp_path / "o1")
-    assert main(["export", str(src), "--format", fmt, "--out", str(tmp_path / "o2")]) == 1
-    assert "d2t" in capsys.readouterr().err and not (tmp_path / "o2").exists()
-    assert main(["export", str(src), "--format", fmt, "--out", str(tmp_path / "out"), "--full-vocab"]) == 0
+        export_head(src, fmt, tmp_path / "o1", full_vocab=False)
+    flag = [] if fmt == "vllm" else ["--full-vocab"]
+    if fmt == "sglang":
+        with pytest.raises(ExportError, match=r"d2t.*--full-vocab"):
+            export_head(src, fmt, tmp_path / "o1")
+        assert main(["export", str(src), "--format", fmt, "--out", str(tmp_path / "o2")]) == 1
+        assert "d2t" in capsys.readouterr().err and not (tmp_path / "o2").exists()
+    with caplog.at_level("WARNING"):
+        assert main(["export", str(src), "--format", fmt, "--out", str(tmp_path / "out"), *flag]) == 0
+    if fmt == "vllm":  # the printed note says what happened and why
+        assert any("draft_vocab_size=40" in r.message and "llama_eagle.py has no d2t" in r.message
+                   for r in caplog.records), caplog.text
     out = tmp_path / "out"
     contract = json.loads((out / "config.json").read_text())["draftkit_contract"]
     assert contract["draft_vocab"].startswith("dropped: engine drafts over the full target vocabulary")
@@ -144,6 +155,98 @@ def test_eagle_draft_vocab_is_refused_or_dropped_explicitly(fmt, target, tmp_pat
     assert back.config.draft_vocab_size is None
     for x, y in zip(draft_logits(full, target), draft_logits(back, target), strict=True):
         assert torch.equal(x, y)
+
+
+def test_medusa_export_takes_the_recorded_target_when_none_is_given(tmp_path):
+    """vLLM reads a shared Medusa lm_head from the file: without --target the export loads the head's
+    recorded target from its verifier directory (fingerprint checked); where there is none the error
+    names the recorded target and what is missing."""
+    from draftkit.cli import main
+    from draftkit.target import Target
+
+    tiny = make_tiny_target()
+    tiny.model.save_pretrained(tmp_path / "target")
+    saved = Target(tiny.model, None, name=str(tmp_path / "target"))
+    src = make_head("medusa_shared", saved, tmp_path / "head")
+    assert main(["export", str(src), "--format", "vllm", "--out", str(tmp_path / "out")]) == 0
+    stored = load_file(tmp_path / "out" / "model.safetensors")["lm_heads.0.weight"]
+    assert torch.equal(stored, tiny.lm_head.weight.detach())
+    back = load_head(import_head(tmp_path / "out", "vllm", tmp_path / "back", target=saved), saved)
+    for x, y in zip(draft_logits(load_head(src, saved), saved), draft_logits(back, saved), strict=True):
+        assert torch.equal(x, y)
+    unsaved = make_head("medusa_shared", tiny, tmp_path / "head2")  # recorded target "tiny-llama-0": no directory
+    with pytest.raises(ExportError, match=r"recorded target 'tiny-llama-0'.*not a local model directory.*--target"):
+        export_head(unsaved, "vllm", tmp_path / "out2")
+
+
+def test_engine_draft_travels_with_the_head_into_export_contract_and_inspect(target, tmp_path):
+    """eval --engine vllm --save-draft puts engine_draft into the head; export copies it into the
+    contract (not into contract.head), import keeps it, and inspect prints the measured vLLM flags."""
+    from draftkit.engines.vllm_auto import SweepSettings, set_config_key, vllm_record
+
+    rows = [{"k": k, "speedup": sp, "by_temperature": {"T=0": {"tok_s": 20 * sp, "speedup": sp, "tau": 1 + sp / 2,
+                                                              "alpha": [0.5] * k, "counters": {}}}}
+            for k, sp in ((1, 0.9), (2, 1.2), (3, 1.1))]
+    rec = vllm_record("eagle3", {"vllm_version": "0.32.0", "plain": {"T=0": 20.0}, "rows": rows}, SweepSettings(), 4)
+    assert (rec["choice"], rec["num_speculative_tokens"], rec["tok_s"]) == ("chain", 2, 24.0)  # the fastest chain
+    src = make_head("eagle3", target, tmp_path / "head")
+    set_config_key(src, {"vllm": rec})
+    out = export_head(src, "vllm", tmp_path / "out")
+    contract = json.loads((out / "config.json").read_text())["draftkit_contract"]
+    assert contract["engine_draft"]["vllm"]["num_speculative_tokens"] == 2 and "engine_draft" not in contract["head"]
+    lines = inspect_dir(out)["lines"]
+    flags = next(ln for ln in lines if ln.startswith("vLLM: speculative_config"))
+    assert json.loads(flags.split("speculative_config ", 1)[1]) == {"method": "eagle3", "model": str(out),
+                                                                     "num_speculative_tokens": 2}
+    assert any("measured in vLLM 0.32.0: 24.0 tok/s (tau 1.600) vs plain 20.0 tok/s" in ln for ln in lines), lines
+    back = import_head(out, "vllm", tmp_path / "back", target=target)
+    assert json.loads((back / "config.json").read_text())["engine_draft"]["vllm"] == contract["engine_draft"]["vllm"]
+    slow = [{**r, "speedup": 1.03} for r in rows]  # nothing beats plain by the margin (1.05): plain
+    plain = vllm_record("eagle3", {"vllm_version": "0.32.0", "plain": {"T=0": 20.0}, "rows": slow}, SweepSettings(), 4)
+    assert plain["choice"] == "plain" and plain["num_speculative_tokens"] is None and plain["margin"] == 1.05
+
+
+LOOP_CHOICES = {  # the loop's draft: choice -> what inspect must say for vLLM and for SGLang
+    "hybrid": ({"mode": "hybrid", "topk": 8, "depth": 1, "budget": 8, "lookup_len": 8, "chosen_by": "measured"},
+               "no measured shape", "no measured flags"),
+    "hybrid_beside_a_tree": ({"mode": "hybrid", "topk": 8, "depth": 1, "budget": 8, "lookup_len": 8, "chosen_by": "m",
+                              "measured": {"top_candidates": [{"shape": "tree 8x1 b8 + lookup 8", "speedup": 1.3},
+                                                              {"shape": "tree 4x2 b6", "speedup": 1.2}]}},
+                             "no measured shape", "--speculative-num-steps 2 --speculative-eagle-topk 4 "
+                             "--speculative-num-draft-tokens 7"),
+    "chain": ({"mode": "chain", "k": 3, "chosen_by": "measured", "draft_sampling": "greedy"},
+              '"num_speculative_tokens": 3', "--speculative-num-steps 3 --speculative-eagle-topk 1 "
+              "--speculative-num-draft-tokens 4"),
+    "tree": ({"mode": "tree", "topk": 4, "depth": 3, "budget": 8, "chosen_by": "measured"},
+             "no measured shape", "--speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 9"),
+}
+
+
+@pytest.mark.parametrize("choice", list(LOOP_CHOICES))
+def test_inspect_translates_the_loop_choice_honestly(choice, target, tmp_path):
+    """Without engine_draft the flags come from the loop's choice, labelled NOT engine-measured; a
+    shape vLLM's chains cannot serve (a tree, a lookup branch) gets no num_speculative_tokens (the
+    issue: hybrid topk 8 / depth 1 had become num_speculative_tokens=1), and SGLang's flags are an
+    SGLang-valid tree or say why there is none."""
+    from draftkit.export.serving import serving_lines
+
+    draft, vllm_says, sglang_says = LOOP_CHOICES[choice]
+    lines = serving_lines({"family": "eagle", "format": "vllm", "draft": draft, "head": {}}, "/x")
+    vllm = " ".join(ln for ln in lines if ln.startswith("vLLM") or ln.startswith("  NOT"))
+    sglang = " ".join(ln for ln in lines if "SGLang" in ln)
+    assert vllm_says in vllm and ("NOT engine-measured" in vllm or "no measured shape" in vllm), lines
+    assert bool(re.search(r'num_speculative_tokens"?[=:] ?\d', vllm)) == (choice == "chain"), lines  # a value only for a chain
+    assert sglang_says in sglang and "not engine-measured (SGLang has no CPU path here)" in sglang, lines
+    if choice.startswith("hybrid"):
+        assert "lookup branch" in vllm and "lookup branch" in sglang
+
+
+def test_sglang_valid_trees_follow_sglangs_rule():
+    from draftkit.export.serving import sglang_invalid
+
+    assert sglang_invalid(1, 3, 3) is None and "chain" in sglang_invalid(1, 3, 2)  # topk 1: steps + 1 tokens
+    assert sglang_invalid(2, 2, 6) is None and "exceed" in sglang_invalid(2, 2, 7)  # 2 + 1 * 4 candidates
+    assert sglang_invalid(8, 1, 8) is None and "exceed" in sglang_invalid(8, 1, 9)
 
 
 def test_bad_input(target, tmp_path):
@@ -256,8 +359,8 @@ def test_layer_zero_cannot_be_captured_by_vllm(target, tmp_path):
     head.save_pretrained(tmp_path / "head")
     with pytest.raises(ExportError, match="layer 0"):
         export_head(tmp_path / "head", "vllm", tmp_path / "v")
-    out = export_head(tmp_path / "head", "sglang", tmp_path / "s")  # SGLang id -1 = before layer 0
-    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 1, 2]
+    with pytest.raises(ExportError, match="layer 0"):  # SGLang too (tests/test_export_sglang.py)
+        export_head(tmp_path / "head", "sglang", tmp_path / "s")
 
 
 @pytest.mark.integration

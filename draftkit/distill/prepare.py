@@ -10,7 +10,9 @@ parquet shards with a manifest (distill/shards.py) into `data.prepared_dir`, by 
 `<cache_dir>/prepared/<fingerprint>` where the fingerprint covers everything that decides the data
 (the data section, the target and its chat template, the seed, the number of samples, the source
 files' sizes and times). The trainer calls the same `prepare`: it finds the finished directory and
-reads the shards instead of preparing again.
+reads the shards instead of preparing again. With data.responses.engine vllm (auto resolving to it)
+vLLM answers and synthesizes, and `draftkit prepare` loads the target without its decoder layers
+(needs_decoder); `--features` (stage 2) needs them.
 
 Across ranks: generation is split by prompt (the content-keyed response cache of
 distill/regenerate.py, shared by all ranks), then rank r tokenises and writes the shards k with
@@ -51,11 +53,16 @@ class Prepared:
 
 def data_fingerprint(recipe, target, num_samples: int) -> str:
     """Everything that decides the prepared data, hashed; not where it goes or how fast it is made."""
+    from draftkit.distill.regenerate import engine_of
+
     d = asdict(recipe.data)
     for key in ("cache_dir", "prepared_dir"):
         d.pop(key, None)
     d["responses"].pop("batch_size")
     d["responses"].pop("vllm")  # how fast (tensor parallel, memory), not what
+    d["responses"]["engine"] = engine_of(recipe.data.responses)  # the engine used, never "auto"
+    if not recipe.data.sources and d["responses"]["engine"] == "vllm":
+        d["synthesize"]["engine"] = "vllm"  # Magpie prompts sampled by vLLM (hf keys stay as they were)
     # The dtype the target answers in: bf16 and fp32 responses differ (the target fingerprint rounds to
     # bf16 on purpose, so it does not tell them apart; the response cache's key carries it too).
     payload_dtype = str(getattr(target, "dtype", None)).removeprefix("torch.")
@@ -131,6 +138,7 @@ def data_context(recipe, target, dist):
     """The DataContext of this run's stage 1: the target, the recipe's data section and seed, the
     shared response cache, this rank's share (distill/context.py)."""
     from draftkit.distill.context import DataContext
+    from draftkit.distill.regenerate import engine_of
     from draftkit.distill.text import resolve_format
     from draftkit.target import cache_root
     from draftkit.train.distributed import barrier
@@ -141,7 +149,18 @@ def data_context(recipe, target, dist):
                        fmt=resolve_format(d.format, target.tokenizer, target.name),  # chat, or text (completion)
                        seed=recipe.train.seed, rank=dist.rank, world_size=dist.world_size, barrier=barrier,
                        progress=dist.is_main,
-                       model_dir=engine_model_dir(recipe.target) if d.responses.engine == "vllm" else None)
+                       model_dir=engine_model_dir(recipe.target) if engine_of(d.responses) == "vllm" else None)
+
+
+def needs_decoder(recipe, features: bool = False) -> bool:
+    """Whether this stage needs the HF target's decoder layers: to generate (data.responses.engine hf,
+    mode regenerate) or to compute features (stage 2). vLLM answers and synthesizes with its own copy
+    of the weights, and mode keep generates nothing: the tokenizer, chat template and a shell target
+    (load_target(transformer=False): embeddings, norm, lm_head) are all stage 1 reads then."""
+    from draftkit.distill.regenerate import engine_of
+
+    r = recipe.data.responses
+    return features or (r.mode == "regenerate" and engine_of(r) == "hf")
 
 
 def engine_model_dir(t) -> str:
@@ -161,7 +180,7 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
     from draftkit.distill.samples import prepare_conversations
     from draftkit.train.distributed import barrier
 
-    if not target.has_transformer:
+    if not target.has_transformer and needs_decoder(recipe):
         raise ShardError(f"{out}: stage 1 is unfinished and target {target.name} was loaded without its "
                          "transformer, which cannot generate responses; load the full target")
     d = recipe.data
@@ -308,8 +327,13 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s: %(message)s")
     try:
         t = recipe.target
+        decoder = needs_decoder(recipe, args.features)
         target = load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype, trust_remote_code=t.trust_remote_code,
-                             device=dist.device)
+                             device=dist.device, transformer=decoder)
+        if not decoder:
+            log.info("target %s: loaded without its decoder layers (stage 1 reads its tokenizer, chat template "
+                     "and embeddings; %s)", target.name, "vLLM generates" if recipe.data.responses.mode ==
+                     "regenerate" else "mode keep generates nothing")
         world = args.train_processes or dist.world_size
         ds = build_deepspeed_config(recipe, world, dist.device.type == "cuda")
         out = prepare(recipe, target, dist, recipe.samples_needed(ds["train_batch_size"]))

@@ -13,6 +13,7 @@ of a multi-process run share one directory.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -61,6 +62,7 @@ def regenerate(ctx: DataContext, prompts: list[Prompt], settings: GenerationSett
     With ctx.world_size > 1 rank r generates the uncached prompts i with i % world_size == r, then
     waits in ctx.barrier() and every rank reads all results from the shared ctx.cache_dir.
     """
+    settings = resolved(settings)
     dtype = model_dtype(ctx.model)
     cache = _cache_dir(ctx.cache_dir, settings, ctx.target_id, dtype)
     keys = [response_key(p, settings, ctx.target_id, ctx.fmt, dtype) for p in prompts]
@@ -78,6 +80,29 @@ def regenerate(ctx: DataContext, prompts: list[Prompt], settings: GenerationSett
         raise RuntimeError(f"regenerate: {len(missing)} responses missing from {cache}, e.g. {missing[:3]}")
     return [Conversation(p, done[k]["response"], done[k]["truncated"], done[k]["num_tokens"])
             for p, k in zip(prompts, keys)]
+
+
+_ENGINES: dict[tuple, str] = {}  # (the vLLM environment variables) -> the engine auto resolved to
+
+
+def engine_of(settings: GenerationSettings) -> str:
+    """The engine that answers: settings.engine, "auto" resolved (engines/vllm_data.resolve_engine)
+    once per process and vLLM environment, the choice and its reason logged that once."""
+    if settings.engine != "auto":
+        return settings.engine
+    from draftkit.engines.vllm import PYTHON_ENV
+    from draftkit.engines.vllm_data import ENGINE_ENV, resolve_engine
+
+    where = tuple(os.environ.get(k) for k in (ENGINE_ENV, PYTHON_ENV, "DRAFTKIT_CACHE"))
+    if where not in _ENGINES:
+        _ENGINES[where], why = resolve_engine("auto")
+        log.info(why)
+    return _ENGINES[where]
+
+
+def resolved(settings: GenerationSettings) -> GenerationSettings:
+    """settings with engine auto replaced by the engine used: what cache keys and fingerprints record."""
+    return settings if settings.engine != "auto" else dataclasses.replace(settings, engine=engine_of(settings))
 
 
 def responses(ctx: DataContext, prompts: list[Prompt], settings: GenerationSettings) -> list[Conversation]:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,35 +57,21 @@ def synthesize_prompts(model, tokenizer, n: int, settings: SynthesisSettings | N
     return prompts
 
 
-@torch.inference_mode()
 def _synthesize(model, tokenizer, n: int, settings: SynthesisSettings, seed: int, *, max_attempts: int | None,
-                progress: bool, batch_dir: Path | None = None) -> tuple[list[Prompt], dict]:
-    """batch_dir: where each sampled batch is kept, so an interrupted synthesis continues."""
+                progress: bool, batch_dir: Path | None = None, vllm: dict | None = None) -> tuple[list[Prompt], dict]:
+    """batch_dir: where each sampled batch is kept, so an interrupted synthesis continues.
+    vllm {model_dir, dtype, llm_kwargs}: the samples come from vLLM (one engine for all batches,
+    stopped once n prompts are kept), else from `model.generate`."""
     prefix = tokenizer(magpie_prefix(tokenizer), add_special_tokens=False)["input_ids"]
     stops = sorted(end_of_turn_ids(tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     max_attempts = max_attempts or 4 * n + settings.batch_size
     counts = dict(generated=0, unfinished=0, duplicates=0, filtered=0, kept=0)
     seen, prompts = set(), []
     bar = tqdm(total=n, desc="magpie", unit="prompt", disable=not progress)
-    while len(prompts) < n and counts["generated"] < max_attempts:
-        bs = min(settings.batch_size, max_attempts - counts["generated"])
-        batch_file = batch_dir / f"batch-{counts['generated']}-{bs}.json" if batch_dir else None
-        if batch_file is not None and batch_file.is_file():  # finished before an interruption
-            rows = json.loads(batch_file.read_text())
-        else:
-            torch.manual_seed(seed + counts["generated"])
-            input_ids = torch.tensor([prefix] * bs, device=model.device)  # (B, T_prefix), no padding
-            rows = model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=settings.max_new_tokens, do_sample=True, temperature=settings.temperature,
-                top_p=settings.top_p, top_k=0, eos_token_id=stops, pad_token_id=pad,
-            )[:, len(prefix):].tolist()  # (B, T_new)
-            if batch_file is not None:
-                tmp = batch_file.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(rows))
-                os.replace(tmp, batch_file)
-        counts["generated"] += bs
+    batches = (_vllm_batches(prefix, stops, settings, seed, max_attempts, batch_dir, **vllm) if vllm else
+               _hf_batches(model, tokenizer, prefix, stops, settings, seed, max_attempts, batch_dir))
+    for rows in batches:
+        counts["generated"] += len(rows)
         for row in rows:
             end = next((j for j, t in enumerate(row) if t in stops), None)
             if end is None:
@@ -101,6 +88,9 @@ def _synthesize(model, tokenizer, n: int, settings: SynthesisSettings, seed: int
                 digest = hashlib.sha256(text.encode()).hexdigest()[:12]
                 prompts.append(Prompt([{"role": "user", "content": text}], "synthesized", f"magpie:{digest}"))
                 bar.update(1)
+        if len(prompts) >= n:
+            break
+    batches.close()  # vLLM: stops the engine
     bar.close()
     counts["kept"] = len(prompts)
     if len(prompts) < n:
@@ -109,20 +99,88 @@ def _synthesize(model, tokenizer, n: int, settings: SynthesisSettings, seed: int
     return prompts, counts
 
 
+def _batch_file(batch_dir: Path | None, start: int, size: int) -> Path | None:
+    return batch_dir / f"batch-{start}-{size}.json" if batch_dir else None
+
+
+def _keep_batch(path: Path | None, rows: list[list[int]]) -> None:
+    if path is not None:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rows))
+        os.replace(tmp, path)
+
+
+@torch.inference_mode()
+def _hf_batches(model, tokenizer, prefix: list[int], stops: list[int], settings: SynthesisSettings, seed: int,
+                max_attempts: int, batch_dir: Path | None) -> Iterator[list[list[int]]]:
+    """Sampled rows, batch_size at a time (batch b reseeds with seed + its first row's index), each
+    read from batch_dir when an earlier run kept it."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    start = 0
+    while start < max_attempts:
+        bs = min(settings.batch_size, max_attempts - start)
+        path = _batch_file(batch_dir, start, bs)
+        if path is not None and path.is_file():  # finished before an interruption
+            rows = json.loads(path.read_text())
+        else:
+            torch.manual_seed(seed + start)
+            input_ids = torch.tensor([prefix] * bs, device=model.device)  # (B, T_prefix), no padding
+            rows = model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=settings.max_new_tokens, do_sample=True, temperature=settings.temperature,
+                top_p=settings.top_p, top_k=0, eos_token_id=stops, pad_token_id=pad,
+            )[:, len(prefix):].tolist()  # (B, T_new)
+            _keep_batch(path, rows)
+        yield rows
+        start += bs
+
+
+def _vllm_batches(prefix: list[int], stops: list[int], settings: SynthesisSettings, seed: int, max_attempts: int,
+                  batch_dir: Path | None, model_dir: str, dtype: str,
+                  llm_kwargs: dict) -> Iterator[list[list[int]]]:
+    """The same batches sampled by vLLM (row i seeded with seed + i): the kept ones first, then one
+    engine for all the rest, each chunk of batch_size kept as it finishes."""
+    from draftkit.engines.vllm_data import DataSampling, generate_responses
+
+    start = 0
+    while start < max_attempts:
+        path = _batch_file(batch_dir, start, min(settings.batch_size, max_attempts - start))
+        if path is None or not path.is_file():
+            break
+        rows = json.loads(path.read_text())
+        yield rows
+        start += len(rows)
+    if start >= max_attempts:
+        return
+    sampling = DataSampling(settings.temperature, settings.top_p, settings.max_new_tokens, stops)
+    chunks = generate_responses(model_dir, dtype, [prefix] * (max_attempts - start),
+                                [seed + i for i in range(start, max_attempts)], sampling,
+                                chunk_size=settings.batch_size, llm_kwargs=llm_kwargs)
+    try:
+        for _, rows in chunks:
+            _keep_batch(_batch_file(batch_dir, start, len(rows)), rows)
+            yield rows
+            start += len(rows)
+    finally:
+        chunks.close()
+
+
 def synthesize_cached(ctx: DataContext, n: int, settings: SynthesisSettings) -> list[Prompt]:
     """`synthesize_prompts` once per (target, settings, seed, n) of ctx: rank 0 writes, all ranks read.
 
     Other ranks wait in `ctx.barrier()` while rank 0 synthesizes.
     """
-    key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, "n": n, **asdict(settings)}, sort_keys=True)
+    vllm = _vllm_settings(ctx)
+    engine = {} if vllm is None else {"engine": "vllm", "dtype": vllm["dtype"]}  # hf keys stay as they were
+    key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, "n": n, **asdict(settings), **engine}, sort_keys=True)
     path = ctx.cache_dir / f"prompts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
     # Raw sampled batches do not depend on n: a larger n reuses them, an interrupted run continues.
-    batch_key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, **asdict(settings)}, sort_keys=True)
+    batch_key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, **asdict(settings), **engine}, sort_keys=True)
     batch_dir = ctx.cache_dir / f"magpie-{hashlib.sha256(batch_key.encode()).hexdigest()[:16]}"
     if ctx.rank == 0 and not path.exists():
         batch_dir.mkdir(parents=True, exist_ok=True)
         prompts, counts = _synthesize(ctx.model, ctx.tokenizer, n, settings, ctx.seed, max_attempts=None,
-                                      progress=ctx.progress, batch_dir=batch_dir)
+                                      progress=ctx.progress, batch_dir=batch_dir, vllm=vllm)
         log.info("magpie: %s", counts)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -131,3 +189,16 @@ def synthesize_cached(ctx: DataContext, n: int, settings: SynthesisSettings) -> 
     ctx.wait_for_ranks("synthesize_cached")
     lines = path.read_text().splitlines()[:n]
     return [Prompt(**json.loads(line)) for line in lines]
+
+
+def _vllm_settings(ctx: DataContext) -> dict | None:
+    """{model_dir, dtype, llm_kwargs} when ctx's responses engine is vLLM (synthesis goes through it
+    too, so stage 1 needs no HF decoder), else None."""
+    from .regenerate import engine_of, model_dtype
+
+    if engine_of(ctx.data.responses) != "vllm":
+        return None
+    if not ctx.model_dir:
+        raise ValueError("data.responses.engine: vllm synthesizes prompts with vLLM, which needs the target as a "
+                         "model directory (target.path); this run has none")
+    return {"model_dir": ctx.model_dir, "dtype": model_dtype(ctx.model), "llm_kwargs": dict(ctx.data.responses.vllm)}

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftkit.engines.vllm import WORKER, EngineError, find_python
+from draftkit.engines.vllm import WORKER, EngineError, EngineUnavailable, find_python
 
 
 @dataclass
@@ -30,6 +30,29 @@ class DataSampling:
     top_p: float = 1.0
     max_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
+
+
+ENGINE_ENV = "DRAFTKIT_DATA_ENGINE"  # hf | vllm: what auto resolves to, without looking
+
+
+def resolve_engine(engine: str, python: str | None = None) -> tuple[str, str]:
+    """(engine, why) for data.responses.engine: "auto" -> $DRAFTKIT_DATA_ENGINE when set (hf: never
+    start vLLM here, e.g. where its CPU path cannot serve the target); else "vllm" when find_python
+    finds a Python that imports vllm ($DRAFTKIT_VLLM_PYTHON, this interpreter,
+    $DRAFTKIT_CACHE/vllm-venv), else "hf" with find_python's reason. "hf" and "vllm" are kept as
+    asked (a missing vLLM then fails when it runs)."""
+    if engine != "auto":
+        return engine, f"data.responses.engine {engine} (asked)"
+    forced = os.environ.get(ENGINE_ENV)
+    if forced:
+        if forced not in ("hf", "vllm"):
+            raise ValueError(f"${ENGINE_ENV}={forced!r}: data.responses.engine auto resolves to hf or vllm")
+        return forced, f"data.responses.engine auto -> {forced} (${ENGINE_ENV})"
+    try:
+        found = find_python(python)
+    except EngineUnavailable as e:
+        return "hf", f"data.responses.engine auto -> hf: {e}"
+    return "vllm", f"data.responses.engine auto -> vllm: {found} imports vllm"
 
 
 def _request(model_dir, dtype: str, prompt_ids: list[list[int]], seeds: list[int], sampling: DataSampling,
@@ -109,3 +132,4 @@ def _chunks(proc: subprocess.Popen, chunks: Path, poll_s: float) -> Iterator[tup
         if proc.poll() is not None and not path.is_file():
             return
         time.sleep(poll_s)
+

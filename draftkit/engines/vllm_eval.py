@@ -21,6 +21,7 @@ from pathlib import Path
 
 from draftkit.engines.vllm import (EngineRequest, EngineRun, Sampling, compare, engine_figures, loop_figures, serve,
                                    speculative_config)
+from draftkit.engines.vllm_auto import DEFAULT_KS
 
 log = logging.getLogger(__name__)
 METHODS = ("plain", "ngram", "head")
@@ -82,6 +83,14 @@ def prepare_export(head_dir: Path, target, work: Path) -> tuple[Path, dict, list
     return out, contract, notes
 
 
+def verifier_dir(contract: dict, model_dir: str | None = None) -> str:
+    """The target directory vLLM loads: model_dir, else the verifier the export's contract names."""
+    model_dir = model_dir or (contract.get("verifier") or {}).get("name_or_path")
+    if not model_dir or not Path(model_dir).is_dir():
+        raise ValueError(f"the export names no local verifier directory ({model_dir!r}); pass model_dir")
+    return model_dir
+
+
 def served_head(export: Path, target, work: Path):
     """The head vLLM serves, as a draftkit head: the export imported back (bit-identical, test_export.py)."""
     from draftkit.export import import_head
@@ -128,9 +137,7 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
     export, contract, notes = prepare_export(Path(head_dir), target, work)
     family = contract["family"]
     k = contract["head"].get("num_heads", s.k) if family == "medusa" else s.k
-    model_dir = s.model_dir or (contract.get("verifier") or {}).get("name_or_path")
-    if not model_dir or not Path(model_dir).is_dir():
-        raise ValueError(f"the export names no local verifier directory ({model_dir!r}); pass model_dir")
+    model_dir = verifier_dir(contract, s.model_dir)
     stop_ids = stop_token_ids(target)
     runs = _runs(s, stop_ids)
     engine = {}
@@ -227,15 +234,71 @@ def add_arguments(p) -> None:
                    help="vllm: serve the head (a native head, exported here, or a vLLM export) in vLLM and report "
                         "vLLM's own tau / acceptance per position / tokens/s beside vLLM plain, vLLM's ngram and "
                         "draftkit's loop under vLLM's rule (a chain of --k, greedy drafts); exit 1 when ours and "
-                        "the engine's differ beyond the tolerance")
+                        "the engine's differ beyond the tolerance. Without --k, --draft auto takes the chain a "
+                        "previous run measured in vLLM (--draft-from, the head's engine_draft, --out/engine_draft.json) "
+                        "or measures it now: vLLM plain and chains of each --engine-k on --calibration-prompts "
+                        "prompts (engines/vllm_auto.py); --save-draft also writes it into the head")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="the Python with vLLM (default: $DRAFTKIT_VLLM_PYTHON, this one, or "
                         "$DRAFTKIT_CACHE/vllm-venv from scripts/setup_vllm.sh)")
+    p.add_argument("--engine-k", type=int, nargs="+", default=list(DEFAULT_KS), metavar="K",
+                   help="--engine vllm --draft auto|calibrate: the chain lengths (num_speculative_tokens) measured "
+                        "in vLLM (Medusa: only its number of heads)")
+
+
+def engine_draft_choice(args, head_dir: Path, out: Path, target) -> tuple[int | None, str, dict | None]:
+    """(k, where it came from, the saved engine_draft) for --engine vllm; k None = measure now.
+    --k wins; --draft chain without --k is a chain of 3; auto reuses a saved choice (vllm_auto.py)."""
+    from draftkit.engines.vllm_auto import saved_choice
+
+    tree_flags = [f for f in ("tree_topk", "tree_depth", "tree_budget", "lookup_len", "head_off_at")
+                  if getattr(args, f, None) is not None]
+    if args.draft in ("tree", "hybrid", "lookup") or tree_flags:
+        raise ValueError(f"--engine vllm serves chains (num_speculative_tokens), not {args.draft if not tree_flags else tree_flags}: "
+                         "pass --k K, or --draft auto to measure k in vLLM")
+    if args.k is not None:
+        return args.k, "flags", None
+    if args.draft == "chain":
+        return 3, "defaults (--draft chain without --k: 3)", None
+    if args.draft == "calibrate":
+        return None, "measured now", None
+    saved, source = saved_choice(args.draft_from, head_dir, out, target)
+    if saved is None:
+        return None, "measured now", None
+    v = saved["vllm"]
+    return v["num_speculative_tokens"] or v["best"]["k"], source, saved
+
+
+def measure_engine_draft(args, target, export: Path, contract: dict, prompts, out: Path, python: str) -> dict:
+    """--draft auto/calibrate: the sweep on calibration prompts (calibrate.py's spread and token cap),
+    written to --out/engine_draft.json."""
+    from draftkit.engines.vllm_auto import ENGINE_DRAFT_FILE, SweepSettings, choice_file, engine_auto, format_sweep
+    from draftkit.inference.calibrate import MAX_CALIBRATION_TOKENS, calibration_prompts
+    from draftkit.inference.decoder import stop_token_ids
+    from draftkit.inference.evaluate import _prepare
+    from draftkit.inference.report import atomic_write
+
+    items, _ = _prepare(target, prompts, max(args.engine_k) + 1, args.max_new_tokens)
+    calib = calibration_prompts(items, args.calibration_prompts)
+    if not calib:
+        raise ValueError("engine draft auto: no prompt fits the context")
+    s = SweepSettings(ks=tuple(args.engine_k), temperatures=tuple(args.temperature), batch_size=args.batch_size,
+                      max_new_tokens=min(MAX_CALIBRATION_TOKENS, args.max_new_tokens), top_k=args.top_k,
+                      top_p=args.top_p, seed=args.seed, dtype=str(target.dtype).replace("torch.", ""), python=python)
+    head = served_head(export, target, out)
+    choice = engine_auto(target, export, contract, verifier_dir(contract), calib, s, stop_token_ids(target), head=head,
+                         loop_budget_s=args.calibration_budget)
+    engine_draft = {k: v for k, v in choice.items() if k != "sweep"}
+    print(format_sweep(engine_draft), file=sys.stderr, flush=True)
+    atomic_write(out / ENGINE_DRAFT_FILE, json.dumps(choice_file(engine_draft, _head_dir(args.head), target),
+                                                    indent=2, default=str))
+    return engine_draft
 
 
 def run_cli(args) -> int:
     """`draftkit eval --engine vllm`: same prompts, --limit and sampling flags as eval."""
     from draftkit.engines.vllm import EngineError, EngineUnavailable, find_python
+    from draftkit.engines.vllm_auto import set_config_key
     from draftkit.export import ExportError
     from draftkit.heads.base import HeadError
     from draftkit.inference.drafters import DraftSettings
@@ -244,30 +307,59 @@ def run_cli(args) -> int:
     from draftkit.target import TargetError, load_target
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out)
     try:
         if not args.head:
             raise ValueError("--engine vllm serves a head: pass --head DIR (a native head or a vLLM export)")
         python = find_python(args.vllm_python)
         target = load_target(args.target, dtype=args.dtype)
+        head_dir = _head_dir(args.head)
+        k, source, engine_draft = engine_draft_choice(args, head_dir, out, target)
         prompts = [p for f in args.prompts or [] for p in read_prompt_file(f)]
         if not args.prompts:
             prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
-        ids = [i for i in (encode(target.tokenizer, p) for p in prompts[: args.limit]) if i]
+        prompts = prompts[: args.limit]
+        ids = [i for i in (encode(target.tokenizer, p) for p in prompts) if i]
+        out.mkdir(parents=True, exist_ok=True)
+        export, contract, notes = prepare_export(head_dir, target, out)  # --out/vllm-export (or the export itself)
+        if k is None:
+            engine_draft = measure_engine_draft(args, target, export, contract, prompts, out, python)
+            source = f"measured now in vLLM (written to {out / 'engine_draft.json'})"
+            v = engine_draft["vllm"]
+            k = v["num_speculative_tokens"] or v["best"]["k"]
+        if engine_draft and export.resolve() != head_dir.resolve():  # the export eval made carries the choice
+            set_config_key(export, engine_draft)
+        if args.save_draft:
+            if not engine_draft:
+                raise ValueError("--save-draft with --engine vllm saves the chain measured in vLLM: use --draft "
+                                 "auto or calibrate without --k")
+            print(f"wrote the engine draft to {set_config_key(head_dir, engine_draft)} ({'engine_draft'})",
+                  file=sys.stderr)
+        _say_choice(engine_draft, k, source)
         methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram), ("head", False)) if not off)
-        s = EngineEvalSettings(k=args.k or 3, temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens,
+        s = EngineEvalSettings(k=k, temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens,
                                batch_sizes=(args.batch_size,), top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                dtype=str(target.dtype).replace("torch.", ""),  # --dtype auto resolved by the target
-                               methods=methods, ngram=(1, args.ngram_n or DraftSettings.lookup_ngram), python=python)
-        report = engine_eval(target, _head_dir(args.head), ids, s)
+                               methods=methods, ngram=(1, args.ngram_n or DraftSettings.lookup_ngram), python=python,
+                               work_dir=str(out))
+        report = engine_eval(target, export, ids, s)
     except (EngineUnavailable, EngineError, ExportError, HeadError, TargetError, ValueError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    report.update(notes=notes + report["notes"], draft_source=source, engine_draft=engine_draft)
     atomic_write(out / "engine_vllm.json", json.dumps(report, indent=2, default=str))
     print(format_report(report))
     print(f"wrote {out / 'engine_vllm.json'}")
     return 0 if report["ok"] else 1
+
+
+def _say_choice(engine_draft: dict | None, k: int, source: str) -> None:
+    v = (engine_draft or {}).get("vllm")
+    if v and v["choice"] == "plain":
+        print(f"engine draft: vLLM should serve plain decoding (from {source}); the head is evaluated as its best "
+              f"measured chain, k={k}", file=sys.stderr)
+    else:
+        print(f"engine draft: chain k={k} (from {source})", file=sys.stderr)
 
 
 def _head_dir(path: str) -> Path:

@@ -4,7 +4,8 @@
 
 It imports nothing of draftkit (vLLM's environment need not have it) and is started by
 draftkit/engines/vllm.py, which builds the request and reads the result. One request = one engine
-(one speculative config) and a list of runs over the same prompts:
+(one speculative config) and a list of runs over the same prompts, or with `engines` several
+engines one after another in this one process (each built, run and shut down in turn):
 
   request {model, dtype, speculative_config | null, max_model_len, max_num_seqs, kv_cache_gib,
            prompts: [[token id]], runs: [{name, batch_size, sampling: {temperature, top_p, top_k,
@@ -12,6 +13,8 @@ draftkit/engines/vllm.py, which builds the request and reads the result. One req
   result  {vllm_version, load_seconds, runs: [{name, outputs: [[token id]], wall_s, new_tokens,
            tokens_per_s, counters: {num_drafts, num_draft_tokens, num_accepted_tokens,
            accepted_per_pos}}], drafter: {...} | null}
+  request with engines: [{name, speculative_config | null}] -> result {vllm_version,
+           engines: [{name, speculative_config, load_seconds, runs: [...], drafter}]}
 
 Counters are vLLM's own (llm.get_metrics(): vllm:spec_decode_*), taken as the difference across
 each run. A run of batch_size B hands vLLM B prompts at a time (max_num_seqs = the largest B).
@@ -187,6 +190,25 @@ def generate_responses(req: dict, result_path: str) -> int:
     return 0
 
 
+def serve_engine(LLM, req: dict, speculative_config: dict | None, last: bool) -> dict:
+    """One engine: built, every run of the request, then (unless it is the last) shut down, so
+    that the next engine of request kind "engines" starts clean in this process."""
+    import gc
+
+    t0 = time.perf_counter()
+    llm = LLM(model=req["model"], dtype=req["dtype"], enforce_eager=True, skip_tokenizer_init=True,
+              speculative_config=speculative_config, max_model_len=req["max_model_len"],
+              max_num_seqs=req["max_num_seqs"], disable_log_stats=False, seed=req.get("seed", 0))
+    load = time.perf_counter() - t0
+    runs = [run_one(llm, req["prompts"], r) for r in req["runs"]]
+    drafter = inspect_drafter(llm, req["drafter_files"]) if req.get("inspect_drafter") else None
+    if not last:
+        llm.llm_engine.engine_core.shutdown()  # in-process core: frees the KV cache, tears down torch.distributed
+        del llm
+        gc.collect()
+    return {"load_seconds": load, "runs": runs, "drafter": drafter}
+
+
 def main(request_path: str, result_path: str) -> int:
     req = json.loads(open(request_path).read())
     if req.get("kind") == "responses":
@@ -201,14 +223,15 @@ def main(request_path: str, result_path: str) -> int:
     if req.get("inspect_drafter"):
         snapshot_loaded_weights()
 
-    t0 = time.perf_counter()
-    llm = LLM(model=req["model"], dtype=req["dtype"], enforce_eager=True, skip_tokenizer_init=True,
-              speculative_config=req.get("speculative_config"), max_model_len=req["max_model_len"],
-              max_num_seqs=req["max_num_seqs"], disable_log_stats=False, seed=req.get("seed", 0))
-    load = time.perf_counter() - t0
-    runs = [run_one(llm, req["prompts"], r) for r in req["runs"]]
-    drafter = inspect_drafter(llm, req["drafter_files"]) if req.get("inspect_drafter") else None
-    result = {"vllm_version": vllm.__version__, "load_seconds": load, "runs": runs, "drafter": drafter}
+    if req.get("engines"):  # one engine after another in this process (the imports paid once)
+        engines = [{"name": e["name"], "speculative_config": e.get("speculative_config"),
+                    **serve_engine(LLM, req, e.get("speculative_config"), last=i == len(req["engines"]) - 1)}
+                   for i, e in enumerate(req["engines"])]
+        result = {"vllm_version": vllm.__version__, "engines": engines}
+    else:
+        one = serve_engine(LLM, req, req.get("speculative_config"), last=True)
+        drafter = one.pop("drafter")
+        result = {"vllm_version": vllm.__version__, **one, "drafter": drafter}
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

@@ -27,11 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast the weights (default: keep the head's dtype)")
-    parser.add_argument("--full-vocab", action="store_true",
+    parser.add_argument("--full-vocab", action="store_true", default=None,
                         help="a head with a draft vocabulary (d2t) for an engine without one (vLLM/SGLang "
-                             "EAGLE-1): export it drafting over the full target vocabulary instead of refusing")
-    add_target_argument(parser, "check the head against this target first; needed when the engine "
-                                "must store a tensor the head shares with the target")
+                             "EAGLE-1): export it drafting over the full target vocabulary instead of refusing; "
+                             "unset: done for vLLM (its llama_eagle.py has no d2t; a note says so), refused for SGLang")
+    add_target_argument(parser, "check the head against this target first; unset: when the engine must store a "
+                                "tensor the head shares with the target (Medusa's lm_head), the head's recorded "
+                                "target is loaded from its verifier directory (fingerprint checked)")
     parser.add_argument("--verifier", default=None, metavar="ID_OR_PATH",
                         help="the model the export names as the head's verifier (a model directory or hub id); "
                              "default: the target it was trained on (its directory or hub id; a GGUF or the "

@@ -50,7 +50,7 @@ def inspect_dir(directory: str | Path, *, fmt: str | None = None, target=None, f
         if contract is None:
             contract = make_contract(native, state, fmt, None if fmt == "draftkit" else layout_for(fmt, native["family"]))
             lines.append("no draftkit contract in this directory; derived from its config:")
-        lines.extend(describe(contract))
+        lines.extend(describe(contract, str(directory)))
     if target is not None:
         lines.append(f"target {target.name}: hidden {target.hidden_size}, vocab {target.vocab_size}, "
                      f"{target.num_layers} layers, fingerprint {target.fingerprint}")

@@ -10,6 +10,7 @@ from typing import Any
 
 import draftkit
 from draftkit.export.files import dtype_name, native_config
+from draftkit.export.serving import ENGINE_DRAFT_KEY, serving_lines
 from draftkit.heads.registry import head_class
 from draftkit.target import FINAL
 
@@ -46,7 +47,9 @@ def make_contract(native: dict, tensors: dict, fmt: str, layout) -> dict[str, An
         "dtype": dtype_name(tensors),
         "recipe_hash": native.get("recipe_hash"),
         "draft": native.get("draft"),  # the DraftSettings `draftkit eval --draft auto` measured, if any
-        "head": {k: v for k, v in native.items() if k not in ("draftkit_format", "draftkit_contract")},
+        # what each engine should serve (engines/vllm_auto.py: measured in vLLM; SGLang's from our loop)
+        ENGINE_DRAFT_KEY: native.get(ENGINE_DRAFT_KEY),
+        "head": {k: v for k, v in native.items() if k not in ("draftkit_format", "draftkit_contract", ENGINE_DRAFT_KEY)},
     }
 
 
@@ -65,6 +68,8 @@ def native_from_contract(contract: dict | None, family: str) -> dict:
     if head.get("family", family) != family:
         raise ValueError(f"contract says family {head.get('family')!r}, layout is {family!r}")
     head["_from_contract"] = tuple(k for k in head if k not in ("target", "recipe_hash", "family", "type"))
+    if contract.get(ENGINE_DRAFT_KEY):  # kept through an import, so a re-export carries it
+        head[ENGINE_DRAFT_KEY] = contract[ENGINE_DRAFT_KEY]
     return head
 
 
@@ -92,8 +97,8 @@ def check_target(native_or_contract: dict, target) -> list[str]:
     return problems
 
 
-def describe(contract: dict) -> list[str]:
-    """Human lines for `draftkit inspect`."""
+def describe(contract: dict, directory: str | None = None) -> list[str]:
+    """Human lines for `draftkit inspect` (directory: where the contract is, named in the vLLM flags)."""
     t = contract.get("target") or {}
     return [
         f"contract: draftkit {contract.get('draftkit_version')}, format {contract.get('format')}, "
@@ -106,26 +111,9 @@ def describe(contract: dict) -> list[str]:
         f"d2t: {contract.get('d2t_convention')}",
         *([f"draft vocabulary: {contract['draft_vocab']}"] if contract.get("draft_vocab") else []),
         f"recipe hash: {contract.get('recipe_hash')}",
-        *draft_lines(contract.get("draft")),
+        *serving_lines(contract, directory),
         *([verifier_line(contract["verifier"])] if contract.get("verifier") else []),
     ]
-
-
-def draft_lines(draft: dict | None) -> list[str]:
-    """The measured draft shape and the serving flags that reproduce it (engines size trees at launch)."""
-    if not draft:
-        return ["draft shape: not measured (run `draftkit eval --head DIR` once to choose it)"]
-    mode, k, depth, topk, budget = (draft.get(x) for x in ("mode", "k", "depth", "topk", "budget"))
-    if mode == "chain":
-        depth, topk, budget = k, 1, k
-    lines = [f"draft shape: {mode} topk={topk} depth={depth} budget={budget} ({draft.get('chosen_by')})",
-             f"  SGLang: --speculative-num-steps {depth} --speculative-eagle-topk {topk} "
-             f"--speculative-num-draft-tokens {budget + 1}",
-             f"  vLLM:   speculative_config num_speculative_tokens={depth} (chain drafting)"]
-    if mode == "hybrid":
-        lines.append(f"  + prompt lookup branch of {draft.get('lookup_len')} tokens: draftkit's hybrid drafter; "
-                     "engines serve the head's tree alone")
-    return lines
 
 
 def verifier_line(v: dict) -> str:

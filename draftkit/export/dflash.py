@@ -14,7 +14,11 @@ tokens and d2t (N,) the offsets (compute_logits: target id = draft id + d2t), dr
 The trained mask embedding goes to mask_embedding.pt ({"mask_token_id", "embedding"}, torch.save:
 _read_mask_embedding loads it with weights_only and substitutes it where the input id is the mask id),
 and, for the import back, into the weights as `mask_embedding` (vLLM loads it as model.mask_embedding,
-the same values). Import also reads published z-lab drafts (no mask_embedding, no contract): their
+the same values). vLLM feeds the mask slots as the input id dflash_config.mask_token_id and replaces
+EVERY input equal to it, the anchor (the newest confirmed token) included: the id should be one the
+text never holds (heads/dflash.py, mask_token_id). Serving: vLLM's DFlash proposer runs 1 +
+num_speculative_tokens query slots, so num_speculative_tokens = block_size - 1 serves the trained
+block; a smaller k serves a shorter one (DFlashHead.engine_block drafts the same way in our loop). Import also reads published z-lab drafts (no mask_embedding, no contract): their
 mask slots carry the target's embedding row of mask_token_id, which becomes our mask_embedding.
 """
 from __future__ import annotations
@@ -23,8 +27,9 @@ import io
 
 import torch
 
-from draftkit.export.layout import Context, ExportError, Layout, Shapes, register
-from draftkit.export.llama_drafts import d2t_to_t2d, llama_config_in, llama_config_out, llama_layer_shapes
+from draftkit.export.layout import Context, ExportError, Layout, Shapes, refuse_target, register
+from draftkit.export.llama_drafts import (GEMMA_EMBEDDING, GEMMA_TYPES, d2t_to_t2d, llama_config_in,
+                                          llama_config_out, llama_layer_shapes)
 
 NAMES = (("fc.", "fc."), ("hidden_norm.", "hidden_norm."), ("layers.{i}.", "layers.{i}."), ("norm.", "norm."),
          ("lm_head.", "lm_head."), ("d2t", "d2t"), ("mask_embedding", "mask_embedding"))
@@ -134,3 +139,106 @@ register(Layout(
     layer_ids_out=lambda ids: [i - 1 for i in ids], layer_ids_in=lambda ids: [i + 1 for i in ids],
     layer_convention=LAYERS,
     d2t_convention="offset: target_id = draft_id + d2t[draft_id] (qwen3_dflash.py compute_logits)"))
+# The anchor slot embeds the confirmed token with the target's embed_tokens (qwen3_dflash.py
+# embed_input_ids), unscaled; and the DFlash proposer reads the target's aux hidden states, which
+# vLLM's gemma3.py (no SupportsEagle3) does not hand out.
+refuse_target("vllm", ("dflash",), GEMMA_TYPES,
+              GEMMA_EMBEDDING.format(src="vllm/model_executor/models/qwen3_dflash.py")
+              + " (and vLLM's gemma3.py implements no SupportsEagle3)")
+
+
+# ---- speculators (src/speculators/models/dflash/{config,core}.py, 0.9) ---------------------------
+# DFlashSpeculatorConfig: transformer_layer_config (a Qwen3 config of the draft), draft_vocab_size
+# (default 32000: always written), block_size, aux_hidden_state_layer_ids (vLLM's algos.py
+# update_dflash makes dflash_config.target_layer_ids = these - 1: draftkit's own convention),
+# mask_token_id. DFlashDraftModel holds the tensors of the vLLM layout under the same names (t2d / d2t
+# buffers and lm_head only with a draft vocabulary); embed_tokens, verifier_norm and verifier_lm_head
+# come from the verifier. It embeds the mask slots with embed_tokens[mask_token_id], the verifier's
+# row: there is no separate mask vector, so only a head whose mask_embedding IS that row exports
+# (head.train_mask_embedding: false). sliding_window_non_causal: true, because vLLM's update_dflash
+# turns its absence (or false) into dflash_config.causal = true for EVERY layer, while speculators'
+# full-attention layers (ours) are always bidirectional; no sliding layers, so it changes nothing there.
+SPEC_MASK = ("speculators' DFlashDraftModel embeds the mask slots with the verifier's embedding row of "
+             "mask_token_id and has no separate mask vector")
+
+
+def speculators_layer_config(c: dict) -> dict:
+    tl = c.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        raise ExportError("config.json: speculators config without a transformer_layer_config mapping")
+    return tl
+
+
+def speculators_shapes(c: dict) -> Shapes:
+    flat = {**speculators_layer_config(c), "draft_vocab_size": c.get("draft_vocab_size"),
+            "dflash_config": {"target_layer_ids": c.get("aux_hidden_state_layer_ids")}}
+    s = dflash_shapes(flat)
+    if "d2t" in s:
+        s["t2d"] = (flat["vocab_size"],)
+    return s
+
+
+def speculators_config_out(n: dict, ctx: Context) -> dict:
+    flat = config_out(n, ctx)
+    t = n.get("target") or {}
+    keep = ("architectures", "block_size", "dflash_config", "num_target_layers", MASK_IN_WEIGHTS, "draft_vocab_size")
+    return {
+        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": n["block_size"] - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": (ctx.verifier or {}).get("name_or_path") or t.get("name"),
+                         "architectures": [t["architecture"]] if t.get("architecture") else []},
+        },
+        "transformer_layer_config": {k: v for k, v in flat.items() if k not in keep},
+        "draft_vocab_size": n.get("draft_vocab_size") or n["vocab_size"], "block_size": n["block_size"],
+        "aux_hidden_state_layer_ids": list(n["feature_layers"]), "mask_token_id": n["mask_token_id"],
+        "sliding_window_non_causal": True, "sample_from_anchor": False,
+    }
+
+
+def speculators_config_in(c: dict, ctx: Context) -> dict:
+    if c.get("speculators_model_type") != "dflash":
+        raise ExportError(f"config.json: speculators_model_type {c.get('speculators_model_type')!r} is not 'dflash'")
+    if c.get("sample_from_anchor"):
+        raise ExportError("config.json: sample_from_anchor true (the anchor slot drafts too); draftkit's "
+                          "DFlash drafts from the mask slots only")
+    tl = speculators_layer_config(c)
+    if c.get("target_hidden_size") not in (None, tl["hidden_size"]) or "sliding_attention" in (tl.get("layer_types") or ()):
+        raise ExportError("config.json: target_hidden_size differs from hidden_size, or sliding draft layers: "
+                          "not draftkit's DFlash")
+    for key in ("aux_hidden_state_layer_ids", "mask_token_id"):
+        if c.get(key) is None:
+            raise ExportError(f"config.json: {key} is missing")
+    V, N = tl["vocab_size"], c.get("draft_vocab_size") or tl["vocab_size"]
+    return {**llama_config_in(tl), "num_layers": tl["num_hidden_layers"], "block_size": c.get("block_size", 8),
+            "mask_token_id": c["mask_token_id"], "feature_layers": list(c["aux_hidden_state_layer_ids"]),
+            "draft_vocab_size": N if N != V else None, "train_mask_embedding": False}
+
+
+def speculators_tensors_out(state: dict, ctx: Context) -> dict:
+    """The vLLM layout's tensors (the target's lm_head rows with a draft vocabulary) and t2d beside
+    d2t (speculators' buffers); the mask vector leaves, after checking it is the target's row."""
+    t = ctx.need_target(f"checking the mask embedding against the target's row ({SPEC_MASK})")
+    mid, mask = ctx.native["mask_token_id"], state["mask_embedding"]
+    if not torch.equal(mask, t.embed_tokens.weight.detach().cpu()[mid].to(mask.dtype)):
+        raise ExportError(f"mask_embedding: this head trained its own mask vector, but {SPEC_MASK}; train with "
+                          "head.train_mask_embedding: false for the speculators format, or export --format vllm "
+                          "(mask_embedding.pt)")
+    out = tensors_out({**state}, ctx)
+    out.pop("mask_embedding")
+    if "d2t" in out:
+        out["t2d"] = state["t2d"]
+    return out
+
+
+register(Layout(
+    format="speculators", family="dflash", source="speculators src/speculators/models/dflash/{config,core}.py",
+    names=NAMES + (("t2d", "t2d"),), config_out=speculators_config_out, config_in=speculators_config_in,
+    expected=speculators_shapes, tensors_out=speculators_tensors_out, tensors_in=tensors_in,
+    layer_convention="speculators DFlash: aux_hidden_state_layer_ids = draftkit's ids (vLLM's algos.py "
+                     "update_dflash subtracts 1 for dflash_config.target_layer_ids)",
+    d2t_convention="offset: target_id = draft_id + d2t[draft_id] (speculators DraftVocabMixin)"))
+refuse_target("speculators", ("dflash",), GEMMA_TYPES,
+              GEMMA_EMBEDDING.format(src="speculators' DFlashDraftModel (and vLLM's qwen3_dflash.py serving it)"))

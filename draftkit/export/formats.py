@@ -11,6 +11,7 @@ Directories are read and written by export/files.py; the contract a directory ca
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from torch import Tensor
@@ -24,16 +25,27 @@ from draftkit.export.verifier import VerifierError, resolve_verifier
 from draftkit.target import DTYPES
 
 
+log = logging.getLogger(__name__)
+
 DRAFT_VOCAB_DROPPED = "dropped: engine drafts over the full target vocabulary"
+# Formats whose EAGLE-1 has no draft vocabulary at all, so a draft-vocabulary head is expanded to the
+# full vocabulary by default (with a note): vLLM's llama_eagle.py has no d2t / hot-token map. SGLang's
+# EAGLE-1 takes a --speculative-token-map instead, so there the choice stays the user's (--full-vocab).
+FULL_VOCAB_BY_DEFAULT = ("vllm",)
 
 
-def drop_draft_vocab(native: dict, state: dict[str, Tensor], layout: Layout, full_vocab: bool,
+def drop_draft_vocab(native: dict, state: dict[str, Tensor], layout: Layout, full_vocab: bool | None,
                      where: str) -> tuple[dict, dict[str, Tensor], str]:
     """A head with a draft vocabulary (d2t / t2d) for a layout that has no place for one: refused,
     or with full_vocab the head is exported as drafting over the full target vocabulary (its native
     config says draft_vocab_size None, so an import gives back the head the engine runs); the note
-    for the contract comes third."""
+    for the contract comes third. full_vocab None: True for FULL_VOCAB_BY_DEFAULT (logged), else refused."""
     n = native.get("draft_vocab_size")
+    if full_vocab is None and layout.format in FULL_VOCAB_BY_DEFAULT:
+        full_vocab = True
+        log.warning("note: %s: the head drafts over a reduced vocabulary (draft_vocab_size=%s) but %s has no d2t: "
+                    "exported drafting over the full target vocabulary (the target's lm_head; the contract records "
+                    "it as draft_vocab)", where, n, layout.source)
     if not full_vocab:
         raise ExportError(f"{where}: the head drafts over a reduced vocabulary (draft_vocab_size={n}, tensors "
                           f"d2t / t2d) but {layout.source} has no draft-vocabulary support: the engine would "
@@ -45,13 +57,16 @@ def drop_draft_vocab(native: dict, state: dict[str, Tensor], layout: Layout, ful
 
 
 def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None, overwrite: bool = False,
-                dtype: str | None = None, full_vocab: bool = False, verifier: str | None = None) -> Path:
+                dtype: str | None = None, full_vocab: bool | None = None, verifier: str | None = None) -> Path:
     """Convert a native head directory into `fmt` at `out`, checked against the engine's layout.
 
     full_vocab: for a head with a draft vocabulary (d2t) and an engine layout without one, export
-    it drafting over the full target vocabulary (recorded in the contract) instead of refusing.
+    it drafting over the full target vocabulary (recorded in the contract) instead of refusing;
+    None (default): so for vLLM, whose EAGLE-1 has no d2t at all (a note is logged), refused elsewhere.
     verifier: the model directory or hub id the export names as the head's verifier (default: the
-    target it was trained on, export/verifier.py), checked against the head's target fingerprint."""
+    target it was trained on, export/verifier.py), checked against the head's target fingerprint.
+    target: None = loaded from the verifier only if a layout needs a tensor the head shares with
+    the target (Context.need_target)."""
     native, state = read_native(Path(head_dir))
     family = native["family"]
     if fmt == "draftkit":

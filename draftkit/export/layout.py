@@ -46,9 +46,33 @@ class Context:
         return layout.names(self.native) if callable(layout.names) else layout.names
 
     def need_target(self, why: str):
+        """The target; on export without one, the head's recorded target, loaded from the verifier
+        the export names when that is a local model directory whose fingerprint was checked."""
+        if self.target is None and self.verifier is not None:
+            self.target = recorded_target(self.verifier, why)
         if self.target is None:
             raise ExportError(f"{why}: pass --target MODEL (the target the head was trained against)")
         return self.target
+
+
+def recorded_target(verifier: dict, why: str):
+    """Load the verifier an export names (export/verifier.py) as the target: only a local directory
+    checked against the head's fingerprint; anything else is an error naming what is missing."""
+    import logging
+    from pathlib import Path
+
+    name = verifier.get("name_or_path")
+    if not (verifier.get("checked") and name and Path(name).is_dir()):
+        state = ("its fingerprint could not be checked" if name and Path(name).is_dir() else
+                 "it is not a local model directory" + (f" ({verifier['note']})" if verifier.get("note") else ""))
+        raise ExportError(f"{why}: the head's recorded target {name!r} cannot be used: {state}; pass --target MODEL "
+                          "(the target the head was trained against)")
+    from draftkit.target import Target, _load_shell
+
+    logging.getLogger(__name__).warning("note: %s: loading the head's recorded target %s (fingerprint %s checked)",
+                                        why, name, verifier.get("fingerprint"))
+    model, config = _load_shell(name, {"dtype": torch.float32})  # embeddings, final norm, lm_head: what exports read
+    return Target(model, None, name=name, config=config)
 
 
 def _identity_tensors(state: dict[str, Tensor], ctx: Context) -> dict[str, Tensor]:

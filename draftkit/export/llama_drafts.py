@@ -110,6 +110,10 @@ def eagle3_config_out(n: dict, arch: str) -> dict:
     layers = list(n["feature_layers"])
     if -1 in layers:
         raise ExportError("feature_layers: -1 (the final norm output) cannot be an aux hidden state in the engines")
+    if layers != sorted(set(layers)):  # vLLM's and SGLang's llama.py: `if i in <layers>: aux.append(...)` per layer
+        raise ExportError(f"feature_layers {layers}: the engines capture each aux layer once, in layer order, and "
+                          "concatenate them so, but this head's fc reads them in the order listed; only distinct "
+                          "layers in ascending order can be served")
     return {"architectures": [arch], **llama_config_out(n, 1), "draft_vocab_size": n["draft_vocab_size"],
             # vLLM's speculators path defaults norm_before_residual to True when absent (algos.py):
             # draftkit's midlayer keeps the un-normalised hidden as the residual.

@@ -68,6 +68,9 @@ SGLANG_LAYERS = ("SGLang: k = output of target decoder layer k, captured before 
 
 
 def _eagle3_out(n: dict, ctx: Context) -> dict:
+    if 0 in n["feature_layers"]:  # SGLang id -1: llama.py captures before layer 0 with residual still None
+        raise ExportError("feature_layers: SGLang cannot capture layer 0 (the embedding): models/llama.py adds a "
+                          "residual that is None before the first layer; train the head on layers >= 1")
     c = eagle3_config_out(n, "LlamaForCausalLMEagle3")
     c["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in n["feature_layers"]],
                          "use_aux_hidden_state": True}

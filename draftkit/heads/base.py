@@ -104,6 +104,9 @@ class DraftHead(nn.Module):
     # Whether the family's loss can take the target's top-k log-probabilities (TargetFeatures.topk_*)
     # instead of its final hidden state: only where that state is the label and never an input.
     topk_teacher: ClassVar[bool] = False
+    # Positions whose top-1 agreement the trainer's held-aside eval reports apart (heldout_acc_{i}):
+    # for each i, loss() returns acc_{i} and tokens_{i}, the rows it was measured on. () = top-1 only.
+    agreement_positions: tuple[int, ...] = ()
 
     def __init__(self, config: HeadConfig, shared: SharedModules | None = None):
         super().__init__()

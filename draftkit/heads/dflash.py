@@ -38,9 +38,13 @@ from the same single forward; the loop's tree walk verifies any tree losslessly.
 
 Mask embedding: the references embed the mask slots with the target's embedding row of a reserved
 `mask_token_id` (Qwen3 has spare rows; SmolLM2's 49152 rows are all tokens). Ours is a trained
-vector `mask_embedding` (H,), started from that row; vLLM takes it as `mask_embedding.pt` beside the
-weights (DFlashQwen3Model.has_separate_mask_embedding; it substitutes it wherever the input id is
-mask_token_id, so mask_token_id should be a token the text never produces: default V-1).
+vector `mask_embedding` (H,), started from that row (train_mask_embedding: false keeps it there);
+vLLM takes it as `mask_embedding.pt` beside the weights (DFlashQwen3Model.has_separate_mask_embedding).
+vLLM feeds every mask slot as the INPUT ID mask_token_id and substitutes the vector wherever an
+input id equals it, the anchor slot included: when the confirmed token is mask_token_id itself, vLLM
+embeds it as a mask where our loop embeds the token. Lossless either way (the target verifies), but
+acceptance drops there, so mask_token_id should be a token the text never holds: default V-1 (on
+SmolLM2 an ordinary BPE token; set head.mask_token_id to an unused id where the tokenizer has one).
 
 vLLM 0.32 layout (model_executor/models/qwen3_dflash.py, DFlashQwen3ForCausalLM, architecture
 "DFlashDraftModel"): config.json is a Qwen3 config of the draft (num_hidden_layers = our
@@ -87,6 +91,10 @@ class DFlashConfig(HeadConfig):
     # Token id whose embedding the mask slots carry (vLLM's dflash_config.mask_token_id); None =
     # the last id V-1. Ours is trained (mask_embedding), started from that row.
     mask_token_id: int | None = None
+    # false: keep mask_embedding frozen at the target's row of mask_token_id, the references'
+    # convention (z-lab, SpecForge, speculators embed the mask slots with the frozen embedding);
+    # needed for the speculators format, which has no separate mask vector.
+    train_mask_embedding: bool = True
     # Loss weight of block position i >= 1: exp(-(i-1)/gamma) (DFlash Eq. 4); None = all equal.
     loss_decay_gamma: float | None = 4.0
     # Blocks per sample per training step (SpecForge --num-anchors, default 512 at length 2048+).
@@ -202,6 +210,10 @@ class DFlashHead(DraftVocab, DraftHead):
     family = "dflash"
     config_class = DFlashConfig
     topk_teacher = True  # the final hidden state is only the label
+    # vLLM's rule: its DFlash proposer runs 1 + k query slots (the pending token and k masks,
+    # v1/spec_decode/dflash.py), not the trained B; with k < B - 1 its blocks are shorter and, the
+    # attention being bidirectional, its drafts differ. True drafts as vLLM does (the engine loop).
+    engine_block: bool = False
 
     def __init__(self, config: DFlashConfig, shared=None):
         super().__init__(config, shared)
@@ -210,7 +222,7 @@ class DFlashHead(DraftVocab, DraftHead):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config.layer_dims()) for _ in range(config.num_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(H))
+        self.mask_embedding = nn.Parameter(torch.zeros(H), requires_grad=config.train_mask_embedding)
         self.init_draft_vocab(config.draft_vocab_size or config.vocab_size, config.vocab_size)
         object.__setattr__(self, "_vocab_w", None)
         if shared is not None:
@@ -256,22 +268,23 @@ class DFlashHead(DraftVocab, DraftHead):
         """(N, T, G*H) target features -> (N, T, H) the fused context c."""
         return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
 
-    def block_inputs(self, first_ids: Tensor) -> Tensor:
-        """(N, A) anchor tokens -> (N, A*B, H): each block [embed(x_a), m, ..., m]."""
+    def block_inputs(self, first_ids: Tensor, block: int) -> Tensor:
+        """(N, A) anchor tokens -> (N, A*block, H): each block [embed(x_a), m, ..., m]."""
         dtype = self.fc.weight.dtype
         N, A = first_ids.shape
-        x = self.mask_embedding.to(dtype).expand(N, A, self.config.block_size, -1).clone()
+        x = self.mask_embedding.to(dtype).expand(N, A, block, -1).clone()
         x[:, :, 0] = self.embed(first_ids, dtype)
-        return x.view(N, A * self.config.block_size, -1)
+        return x.view(N, A * block, -1)
 
     def run_blocks(self, first_ids: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
-                   ctx_visible: Tensor) -> Tensor:
-        """first_ids (N, A), positions (N, A*B) of the block slots, per-layer context K/V,
-        ctx_visible (N, A, S) -> (N, A*B, H) final-norm outputs."""
-        x = self.block_inputs(first_ids)
+                   ctx_visible: Tensor, block: int | None = None) -> Tensor:
+        """first_ids (N, A), positions (N, A*block) of the block slots, per-layer context K/V,
+        ctx_visible (N, A, S) -> (N, A*block, H) final-norm outputs. block: slots per block (B)."""
+        block = block or self.config.block_size
+        x = self.block_inputs(first_ids, block)
         cos, sin = self.cos_sin(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, ctx_visible, self.config.block_size)
+            x = layer(x, cos, sin, k, v, ctx_visible, block)
         return self.norm(x)
 
     # ---- training ----
@@ -328,10 +341,17 @@ class DFlashHead(DraftVocab, DraftHead):
         # Eq. 4's weight; rows whose target top-1 lies outside a draft vocabulary are left out (EAGLE-3)
         w = torch.tensor(c.position_weights(), device=ids.device)[pos] * self.t2d[top].float()
         hit = (self.draft_ids[guess] == top).float().detach()
-        metrics = {f"acc_{i}": hit[pos == i].sum() / (pos == i).sum().clamp(min=1) for i in range(1, c.block_size)}
-        first = pos == 1
+        metrics = {}
+        for i in self.agreement_positions:  # top-1 agreement per block position and the rows it counts
+            n = (pos == i).sum().float()
+            metrics[f"acc_{i}"], metrics[f"tokens_{i}"] = hit[pos == i].sum() / n.clamp(min=1), n
         return {"loss": (kl * w).sum() / w.sum().clamp(min=1e-6), **metrics, "acc": metrics["acc_1"],
-                "kl": kl.detach().sum() / max(kl.shape[0], 1), "tokens": first.sum().float()}
+                "kl": kl.detach().sum() / max(kl.shape[0], 1), "tokens": metrics["tokens_1"]}
+
+    @property
+    def agreement_positions(self) -> tuple[int, ...]:
+        """Block positions 1..B-1: the held-aside eval reports each one's agreement (heldout_acc_i)."""
+        return tuple(range(1, self.config.block_size))
 
     def teacher_logits(self, final: Tensor, top1: Tensor | None) -> tuple[Tensor, Tensor]:
         """The target's (M, N) logits over the draft vocabulary and its (M,) top-1, from its final hidden."""
@@ -364,9 +384,10 @@ class DFlashHead(DraftVocab, DraftHead):
                             f"{self.max_draft_tokens} tokens, asked for {k}")
         self.consume(state, feats, valid)
         pending = last_valid(next_tokens, valid)  # (B,) the newest token, not yet seen by the target
-        positions = state.next_pos[:, None] + torch.arange(self.config.block_size, device=pending.device)
+        block = k + 1 if self.engine_block else self.config.block_size
+        positions = state.next_pos[:, None] + torch.arange(block, device=pending.device)
         kv = [(c.k, c.v) for c in state.kv]
-        h = self.run_blocks(pending[:, None], positions, kv, state.slot_valid[:, None])  # (B, block, H)
+        h = self.run_blocks(pending[:, None], positions, kv, state.slot_valid[:, None], block)  # (B, block, H)
         return self.vocab_logits(h[:, 1:k + 1])
 
     @torch.no_grad()

@@ -10,7 +10,9 @@ Where the draft shape comes from (first that applies; `report.json` names it as 
   2. size flags without --draft imply the mode: --k => chain; --tree-topk/--tree-depth/--tree-budget
      => tree; --lookup-len/--head-off-at (with or without --tree-*) => hybrid. (--ngram-n implies no
      mode.) Nothing is measured.
-  3. --draft calibrate: measure now; calibration only fills what the flags left unset.
+  3. --draft calibrate: measure now, searching only the shapes that have the size flags' values and
+     the mode they imply (the printed prediction is the shape that runs); --k fixes a whole chain,
+     so it leaves nothing to measure.
   4. --draft auto (default): --draft-from FILE|DIR; else the head's config.json `draft:` (written
      only by --save-draft, or an older draftkit); else the choice a previous calibration left in
      --out/draft.json for the same head, target, dtype and device; else measure now.
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from draftkit.inference.calibrate import add_arguments as add_calibration_arguments, calibrate
+from draftkit.inference.cost import FIXABLE, SearchSpace
 from draftkit.inference.errors import SpecError
 from draftkit.inference.typical import ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, check_acceptance
 from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
@@ -181,26 +184,23 @@ def implied_mode(given: dict) -> str | None:
 
 def draft_from_flags(args, saved: DraftSettings | None) -> tuple[DraftSettings, bool]:
     """(settings, needs_measuring) from --draft and the size flags over `saved` (the choice --draft
-    auto found, or None). The flags given are kept exactly; calibration fills only the rest."""
+    auto found, or None). The flags given are kept exactly; calibration searches only the rest
+    (search_space), and a chain (--k) has no rest."""
     given = given_sizes(args)
     mode = args.draft if args.draft in MODES else implied_mode(given)
     base = saved or DraftSettings()
-    if mode is not None and args.draft != "calibrate":
+    if mode is not None and (args.draft != "calibrate" or mode == "chain"):
         return replace(base, mode=mode, chosen_by="user", measured={}, **given), False
     if args.draft == "auto" and saved is not None:
         return replace(base, **given), False
     return replace(base, **given), True
 
 
-def keep_user_values(chosen: DraftSettings, args) -> DraftSettings:
-    """Calibration's choice with every size flag the user gave (and the mode they imply) put back."""
-    given = given_sizes(args)
-    mode = implied_mode(given)
-    kept = replace(chosen, **given, **({"mode": mode} if mode else {}))
-    if kept == chosen:
-        return chosen
-    return replace(kept, chosen_by=f"{chosen.chosen_by}; kept from the flags: "
-                                   + ", ".join(f"{k}={v}" for k, v in given.items()))
+def search_space(args) -> SearchSpace:
+    """What calibration may choose: the size flags given fix their fields, and the mode they imply
+    (tree or hybrid) fixes the kind; --ngram-n is already in the base settings (the traces use it)."""
+    given = {k: v for k, v in given_sizes(args).items() if k in FIXABLE}
+    return SearchSpace(fixed=given, mode=implied_mode(given_sizes(args)))
 
 
 def read_draft_file(path: str | Path) -> dict:
@@ -264,7 +264,8 @@ def decide_draft(args, head, head_dir, head_cfg, target) -> tuple[DraftSettings,
     if head is not None and args.draft in ("auto", *MODES):
         saved, source = saved_choice(args, head_dir, head_cfg, target)
     draft, measure = draft_from_flags(args, saved)
-    from_flags = args.draft in MODES or (args.draft == "auto" and implied_mode(given_sizes(args)) is not None)
+    mode = implied_mode(given_sizes(args))
+    from_flags = args.draft in MODES or (args.draft == "auto" and mode is not None) or mode == "chain"
     if args.acceptance == "typical" and draft.mode != "chain":
         if from_flags:
             raise SpecError(f"--acceptance typical is chain-only; the flags ask for {draft.mode} (use --draft chain)")
@@ -272,6 +273,8 @@ def decide_draft(args, head, head_dir, head_cfg, target) -> tuple[DraftSettings,
         return draft, "--acceptance typical (chain-only)", False
     if head is None:
         return draft, "flags" if given_sizes(args) else "defaults: no head, lookup alone", False
+    if from_flags and args.draft == "calibrate":
+        return draft, "flags (--k fixes the whole chain: nothing to calibrate)", False
     if from_flags:
         return draft, f"flags (unset sizes from {source})" if saved else "flags", False
     return draft, source, measure
@@ -351,8 +354,8 @@ def run(args) -> int:
             seed=args.seed, acceptance=args.acceptance, typical_epsilon=args.typical_epsilon,
             typical_delta=args.typical_delta, raise_errors=False, progress=True)
         if measure:
-            draft = keep_user_values(calibrate(target, head, prompts, settings, args.calibration_prompts,
-                                                  args.calibration_budget), args)
+            draft = calibrate(target, head, prompts, settings, args.calibration_prompts, args.calibration_budget,
+                              space=search_space(args))
             settings, source = replace(settings, draft=draft), f"measured now (written to {out / DRAFT_FILE})"
             out.mkdir(parents=True, exist_ok=True)
             atomic_write(out / DRAFT_FILE, json.dumps(draft_record(draft, head_dir, target), indent=2, default=str))

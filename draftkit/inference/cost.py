@@ -16,9 +16,11 @@ lookup's branch for its own length included.
   its tree holds, and jumps to i + accepted + 1. Its steps and verify widths are those of a real run
   (tests/test_cost.py checks this against the loop).
 - T > 0: the union of all candidates' trees at position i is verified in one forward; the walk
-  reaches a node with probability prod p(edge) along its path, so E[accepted] of a candidate is
-  the sum of its nodes' reach probabilities: the expected tokens of a step starting there, averaged
-  over the positions of the sampled trajectory.
+  reaches a node with probability prod p(edge) along its path, and accepts one path, so P(a step
+  there accepts >= d drafts) is the summed reach of the candidate's nodes at depth d. The run over
+  the sampled trajectory is the renewal these laws give (step_visits: the probability that a step
+  starts at each position), so positions where many drafts are accepted start fewer steps; a plain
+  average over positions (the model before) overstated tau by 4-10% on lookup-heavy shapes.
 
 Cost per step, from timings: the verify forward of w tokens, the head's tree drafting per (topk,
 depth) (or only consuming the confirmed positions), the lookup's proposal and merge, the loop's own
@@ -42,6 +44,7 @@ import torch
 from draftkit.inference.cache import TargetCache, left_pad
 from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
+from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators
 from draftkit.inference.tree import DraftTree, TreeShape, add_branches, tree_noise
@@ -251,18 +254,23 @@ class Candidate:
         return s
 
 
-def position_step(pos: Position, future: list[int], c: Candidate) -> tuple[float, int, bool]:
-    """(accepted drafts (expected at T > 0), verify width, head drafted?) of c's step at pos;
-    future = y after the pending token (T = 0)."""
+def _verified(pos: Position, c: Candidate):
+    """What c verifies at pos: (head's kept paths, lookup's paths not among them, lookup's branch,
+    the head's ranks, verify width, head drafted?)."""
     branch = pos.branches.get(c.lookup_len, []) if c.lookup_len else []
     head_on = bool(c.topk) and not (c.head_off_at and len(branch) >= c.head_off_at)
     paths, rank = pos.level(c.topk, c.depth) if head_on else ([], {})
-    kept = min(c.budget, len(paths))
+    kept = paths[: min(c.budget, len(paths))]
     branch_new = [tuple(branch[:j]) for j in range(1, len(branch) + 1) if rank.get(tuple(branch[:j]), INF) >= c.budget]
-    width = kept + len(branch_new) + 1
+    return kept, branch_new, branch, rank, len(kept) + len(branch_new) + 1, head_on
+
+
+def position_step(pos: Position, future: list[int], c: Candidate) -> tuple[float, int, bool]:
+    """(accepted drafts (expected at T > 0), verify width, head drafted?) of c's step at pos;
+    future = y after the pending token (T = 0)."""
+    kept, branch_new, branch, rank, width, head_on = _verified(pos, c)
     if pos.reach is not None:  # T > 0: expected accepted = sum of the nodes' reach probabilities
-        acc = sum(pos.reach.get(p, 0.0) for p in paths[:kept]) + sum(pos.reach.get(p, 0.0) for p in branch_new)
-        return acc, width, head_on
+        return sum(pos.reach.get(p, 0.0) for p in kept + branch_new), width, head_on
     acc_head = 0
     while acc_head < len(future) and rank.get(tuple(future[: acc_head + 1]), INF) < c.budget:
         acc_head += 1
@@ -272,27 +280,51 @@ def position_step(pos: Position, future: list[int], c: Candidate) -> tuple[float
     return max(acc_head, acc_lookup), width, head_on
 
 
-def simulate(trace: Trace, c: Candidate) -> list[tuple[float, int, bool]]:
-    """The steps of c on the trace: per step (tokens emitted, verify width, head drafted?).
-    T = 0: the exact run (every step starts where the last one ended). T > 0: one expected step
-    per position of the sampled trajectory (a step's start is a position drawn uniformly)."""
+def accept_law(pos: Position, c: Candidate) -> list[float]:
+    """T > 0: P(a step of c at pos accepts exactly a drafts), a = 0, 1, ...: the walk accepts one
+    path, so P(accepted >= d) is the summed reach of the verified nodes at depth d."""
+    kept, branch_new, *_ = _verified(pos, c)
+    tail = [1.0]
+    for p in kept + branch_new:
+        tail += [0.0] * (len(p) + 1 - len(tail))
+        tail[len(p)] += pos.reach.get(p, 0.0)
+    return [tail[a] - (tail[a + 1] if a + 1 < len(tail) else 0.0) for a in range(len(tail))]
+
+
+def step_visits(laws: list[list[float]]) -> list[float]:
+    """P(a step starts at position i) of a run over n = len(laws) + 1 tokens whose step at i accepts
+    a drafts with probability laws[i][a] (cut at the end) and moves on a + 1: the renewal a run is.
+    Its sum is the expected number of steps; a plain average over positions would weight every
+    position alike and overstate tokens per step wherever acceptance varies along the output."""
+    n = len(laws)
+    v = [0.0] * (n + 1)
+    v[0] = 1.0
+    for i, law in enumerate(laws):
+        for a, p in enumerate(law):
+            v[min(i + a + 1, n)] += v[i] * p
+    return v[:n]
+
+
+def simulate(trace: Trace, c: Candidate) -> list[tuple[float, float, int, bool]]:
+    """The steps of c on the trace: per step (weight, tokens emitted, verify width, head drafted?).
+    T = 0: the exact run (every step starts where the last one ended), weight 1. T > 0: one entry
+    per position of the sampled trajectory, weighted by the probability that a step starts there
+    (step_visits over accept_law); the weights sum to the expected number of steps."""
     n, y = len(trace.tokens), trace.tokens
     if trace.temperature > 0:
-        return [(acc + 1, w, h) for acc, w, h in (position_step(p, [], c) for p in trace.positions)]
+        visits = step_visits([accept_law(p, c) for p in trace.positions])
+        return [(v, acc + 1, w, h) for v, (acc, w, h) in zip(visits, (position_step(p, [], c) for p in trace.positions))]
     steps, i = [], 0
     while i < n - 1:
         acc, w, h = position_step(trace.positions[i], y[i + 1:], c)
-        steps.append((int(acc) + 1, w, h))
+        steps.append((1.0, int(acc) + 1, w, h))
         i += int(acc) + 1
     return steps
 
 
 def simulated_steps(trace: Trace, c: Candidate) -> float:
-    """Verify steps c needs for the trace's output (T > 0: expected, from the mean tokens per step)."""
-    steps = simulate(trace, c)
-    if trace.temperature == 0 or not steps:
-        return float(len(steps))
-    return (len(trace.tokens) - 1) / (sum(s[0] for s in steps) / len(steps))
+    """Verify steps c needs for the trace's output (T > 0: expected)."""
+    return sum(s[0] for s in simulate(trace, c))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +345,7 @@ class Costs:
     noise_ms_per_row: float = 0.0  # T > 0: one 1/Exp(1) row over the vocabulary per depth + 1
     lookup_ms: float = 0.0  # lookup's proposal and merge per step
     overhead_ms: float = 0.0  # per step beyond forward, drafting and noise (walk, roll-back, bookkeeping)
+    lookup_overhead_ms: float | None = None  # the same for lookup alone (the chain path); None: overhead_ms
     temperature: float = 0.0
     plain_run_ms: float = 0.0  # plain_generate of 1 + plain_tokens tokens (plain_step_ms is the difference)
     plain_tokens: int = 8
@@ -332,7 +365,8 @@ class Costs:
         """ms of one speculative step of c with this verify width."""
         draft = (self.draft_ms[(c.topk, c.depth)] if head_on else self.consume_ms) if c.topk else 0.0
         noise = self.noise_ms_per_row * (c.loop_depth + 1) if self.temperature > 0 else 0.0
-        return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + self.overhead_ms + noise
+        over = self.overhead_ms if c.topk or self.lookup_overhead_ms is None else self.lookup_overhead_ms
+        return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + over + noise
 
 
 def predict(traces: list[Trace], costs: Costs, c: Candidate) -> dict:
@@ -341,9 +375,9 @@ def predict(traces: list[Trace], costs: Costs, c: Candidate) -> dict:
     spec_ms = plain_ms = steps_total = tokens = 0.0
     for tr in traces:
         steps = simulate(tr, c)
-        n_steps = simulated_steps(tr, c)
-        mean_cost = sum(costs.step(c, w, h) for _, w, h in steps) / max(len(steps), 1)
-        spec_ms += tr.prefill_ms + (tr.head_prefill_ms if c.topk else 0.0) + n_steps * mean_cost
+        n_steps = sum(v for v, *_ in steps)
+        spec_ms += tr.prefill_ms + (tr.head_prefill_ms if c.topk else 0.0) + sum(v * costs.step(c, w, h)
+                                                                                 for v, _, w, h in steps)
         plain_ms += tr.prefill_ms + (len(tr.tokens) - 1) * costs.plain_step_ms
         steps_total += n_steps
         tokens += len(tr.tokens) - 1
@@ -352,12 +386,13 @@ def predict(traces: list[Trace], costs: Costs, c: Candidate) -> dict:
             "speedup": plain_ms / spec_ms if spec_ms else 0.0}
 
 
-def candidates(topks, max_depth: int, budgets=BUDGETS, lookup_lens=LOOKUP_LENS, head_off=HEAD_OFF) -> list[Candidate]:
-    """Every shape the traces can simulate: trees cut from each topk's pool (depth <= max_depth),
-    with and without lookup's branch, and lookup alone."""
-    out = [Candidate(0, 0, 0, L) for L in lookup_lens if L]
+def candidates(topks, max_depth: int, budgets=BUDGETS, lookup_lens=LOOKUP_LENS, head_off=HEAD_OFF,
+               depths=None, lookup_alone: bool = True) -> list[Candidate]:
+    """Every shape the traces can simulate: trees cut from each topk's pool (depth <= max_depth,
+    or the given depths), with and without lookup's branch, and lookup alone."""
+    out = [Candidate(0, 0, 0, L) for L in lookup_lens if L] if lookup_alone else []
     for k in topks:
-        for d in range(1, max_depth + 1):
+        for d in depths or range(1, max_depth + 1):
             for b in budgets:
                 if b > k + (d - 1) * k * k or (k == 1 and b != d):
                     continue
@@ -366,6 +401,66 @@ def candidates(topks, max_depth: int, budgets=BUDGETS, lookup_lens=LOOKUP_LENS, 
                         if off is None or off <= L:
                             out.append(Candidate(k, d, b, L, off))
     return out
+
+
+FIXABLE = ("topk", "depth", "budget", "lookup_len", "head_off_at")  # DraftSettings fields a flag can fix
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What calibration may choose from: the fields the user fixed (DraftSettings names, FIXABLE)
+    hold one value, the mode their flags imply ("tree": no lookup branch, "hybrid": head and
+    lookup; None: anything, lookup alone and plain decoding included); every other field ranges
+    over the defaults. Every candidate it yields, and so every one measured, has the fixed values."""
+
+    fixed: dict = field(default_factory=dict)
+    mode: str | None = None
+    topks: tuple = (1, 2, 4, 8)
+    max_depth: int = 6
+
+    def __post_init__(self):
+        bad = sorted(set(self.fixed) - set(FIXABLE))
+        if bad or self.mode not in (None, "tree", "hybrid"):
+            raise ValueError(f"calibration can fix {', '.join(FIXABLE)} in mode tree or hybrid, got {bad or self.mode}")
+
+    @property
+    def any_mode(self) -> bool:
+        """Nothing fixed: lookup alone and plain decoding may be chosen."""
+        return self.mode is None and not self.fixed
+
+    def axes(self, head_limit: int) -> dict:
+        """topks, depth (traced to), depths, budgets, lookup_lens, head_off of the search; head_limit:
+        the deepest tree the head drafts (a fixed depth beyond it is an error naming it)."""
+        f = self.fixed
+        if f.get("depth", 0) > head_limit:
+            raise SpecError(f"calibration: depth {f['depth']} was fixed but the head drafts at most {head_limit} levels")
+        depth = f.get("depth") or min(self.max_depth, head_limit)
+        if "lookup_len" in f:
+            lens = (f["lookup_len"],)
+        else:
+            lens = {"tree": (0,), "hybrid": tuple(L for L in LOOKUP_LENS if L)}.get(self.mode, LOOKUP_LENS)
+        if self.mode == "tree" and ("lookup_len" in f or "head_off_at" in f):
+            raise SpecError("calibration: mode tree has no lookup branch, but lookup_len/head_off_at were fixed")
+        return {"topks": (f["topk"],) if "topk" in f else tuple(self.topks), "depth": depth,
+                "depths": (depth,) if "depth" in f else None, "budgets": (f["budget"],) if "budget" in f else BUDGETS,
+                "lookup_lens": lens, "head_off": (f["head_off_at"],) if "head_off_at" in f else HEAD_OFF}
+
+    def candidates(self, head_limit: int) -> list[Candidate]:
+        """The candidates of the space (never empty: an impossible combination is an error)."""
+        a = self.axes(head_limit)
+        out = [c for c in candidates(a["topks"], a["depth"], a["budgets"], a["lookup_lens"], a["head_off"],
+                                     a["depths"], lookup_alone=self.any_mode)
+               if self.mode != "hybrid" or c.lookup_len]
+        if not out:
+            raise SpecError(f"calibration: no draft shape has {_words(self.fixed)}"
+                            + (f" in mode {self.mode}" if self.mode else "")
+                            + " (a tree of topk k and depth d holds at most k + (d - 1) k^2 nodes; a chain, "
+                              "topk 1, exactly d; head_off_at <= lookup_len)")
+        return out
+
+
+def _words(fixed: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in fixed.items()) or "nothing fixed"
 
 
 def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs], cands: list[Candidate],
@@ -459,12 +554,15 @@ def measure_loop(target, head, context: list[int], costs: Costs, params: Samplin
     not count as overhead."""
     from draftkit.inference.drafters import HybridDrafter
 
-    drafter = HybridDrafter(head, NgramDrafter(max_n=lookup_ngram), c.lookup_len)
-    dec = SpecDecoder(target, drafter, tree=TreeShape(c.topk, c.depth, c.budget), stop_ids=[])
+    if c.topk:
+        drafter = HybridDrafter(head, NgramDrafter(max_n=lookup_ngram), c.lookup_len)
+        dec = SpecDecoder(target, drafter, tree=TreeShape(c.topk, c.depth, c.budget), stop_ids=[])
+    else:  # lookup alone runs the chain path (DraftSettings.decoder_args): its own overhead
+        dec = SpecDecoder(target, NgramDrafter(max_n=lookup_ngram), k=c.lookup_len, stop_ids=[])
     seen: list[tuple[float, int]] = []  # (time, verify width) at each step's walk
     dec.observer = lambda tree, verdict: seen.append((time.perf_counter(), int((tree.tokens[0] >= 0).sum()) + 1))
     noise = costs.noise_ms_per_row * (dec.k + 1) if not params.greedy else 0.0
-    fixed = costs.draft_ms[(c.topk, c.depth)] + costs.lookup_ms + noise
+    fixed = (costs.draft_ms[(c.topk, c.depth)] if c.topk else 0.0) + costs.lookup_ms + noise
     residuals = []
     for _ in range(rounds):
         seen.clear()
@@ -519,57 +617,98 @@ def head_depth(head, max_depth: int) -> int:
 def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | None = None, *,
                temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0, topks=(1, 2, 4, 8), max_depth: int = 6,
                max_new_tokens: int = 48, budget_s: float | None = None, rounds: int = 5, seed: int = 0,
-               progress: bool = False, pays: float = PAYS) -> tuple[DraftSettings, Calibration]:
+               progress: bool = False, pays: float = PAYS,
+               space: SearchSpace | None = None) -> tuple[DraftSettings, Calibration]:
     """Measure, trace, simulate, choose (module doc), within about budget_s seconds: fewer cost
-    rounds and fewer prompts when the first ones show the whole would not fit. Returns the chosen
-    DraftSettings (mode "plain" when nothing pays; chosen_by / measured filled) and the Calibration."""
+    rounds and fewer prompts when the first ones show the whole would not fit. `space`: the fields
+    the user fixed (SearchSpace; default: nothing fixed over topks and max_depth): only its
+    candidates are traced, measured and ranked, and plain decoding is chosen only where nothing was
+    fixed. Returns the chosen DraftSettings (mode "plain" when nothing pays; chosen_by / measured
+    filled) and the Calibration."""
     from tqdm.auto import tqdm
 
     base = base or DraftSettings()
+    space = space or SearchSpace(topks=tuple(topks), max_depth=max_depth)
+    cands = space.candidates(head_depth(head, INF))  # before measuring: an impossible space fails at once
+    axes = space.axes(head_depth(head, INF))
     budget_s = budget_s or (120.0 if target.device.type == "cpu" else 60.0)
-    depth = head_depth(head, max_depth)
     temps = [float(t) for t in temperatures] or [0.0]
-    ctx = _context(prompts, max_new_tokens)
     t0, warnings = time.perf_counter(), []
     traces: dict[float, list[Trace]] = {}
     costs: dict[float, Costs] = {}
     bar = tqdm(total=len(temps) * (rounds + 2 + len(prompts)), desc="draft auto: calibrating", unit="part",
                disable=not progress, dynamic_ncols=True)
+    run = _Calibrating(target, head, prompts, _context(prompts, max_new_tokens), base, axes, cands, rounds, seed,
+                       max_new_tokens, budget_s, bar)
     for ti, T in enumerate(temps):
-        params = SamplingParams(T, top_k, top_p)
         share = (budget_s - (time.perf_counter() - t0)) / (len(temps) - ti)  # this temperature's seconds
-        t_start = time.perf_counter()
-        c = measure_costs(target, head, ctx, topks, depth, params, rounds=1, tick=bar.update)
-        one_round = 1e-3 * (sum(c.verify_ms.values()) + sum(c.draft_ms.values()) + c.plain_run_ms + c.plain_prefill_ms)
-        more = max(min(2, rounds - 1), min(rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))  # >= 3 rounds
-        c = _min_costs(c, measure_costs(target, head, ctx, topks, depth, params, rounds=more, tick=bar.update,
-                                        warmup=False))
-        bar.update(rounds - 1 - more)
-        probe = Candidate(topks[len(topks) // 2], min(3, depth), 16, max(LOOKUP_LENS))
-        c.overhead_ms = measure_loop(target, head, ctx, c, params, probe, base.lookup_ngram)
-        bar.update(1)
-        warnings += [f"T={T:g}: {w}" for w in check_costs(c)]
-        costs[T] = c
-        traces[T] = []
-        traced_s = 0.0
-        for i, p in enumerate(prompts):
-            left = share - (time.perf_counter() - t_start)
-            if traces[T] and traced_s / len(traces[T]) > left:  # the next prompt would not fit
-                warnings.append(f"T={T:g}: calibration budget ({budget_s:.0f} s): traced {len(traces[T])} of "
-                                f"{len(prompts)} prompts")
-                bar.update(len(prompts) - i)
-                break
-            t_trace = time.perf_counter()
-            traces[T].append(trace_prompt(target, head, p, max_new_tokens, params, seed + i, topks, depth,
-                                          lookup_ngram=base.lookup_ngram))
-            traced_s += time.perf_counter() - t_trace
-            bar.update(1)
-        warnings += [f"T={T:g}: {w}" for w in check_plain(traces[T], c)]
+        t_start, params = time.perf_counter(), SamplingParams(T, top_k, top_p)
+        costs[T], said = run.costs(params, share)
+        traces[T], more = run.traces(params, share - (time.perf_counter() - t_start))
+        warnings += [f"T={T:g}: {w}" for w in said + more + check_plain(traces[T], costs[T])]
     bar.close()
-    choice, rows = choose(traces, costs, candidates(topks, depth), pays)
+    choice, rows = choose(traces, costs, cands, pays if space.any_mode else -math.inf)
     cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0)
-    chosen = _settings(base, cal, target)
-    return replace(chosen, depth=min(chosen.depth, depth)), cal  # the sizes eval's other methods run too
+    chosen = _settings(base, cal, target, space, pays)
+    return replace(chosen, depth=min(chosen.depth, axes["depth"])), cal  # the sizes eval's other methods run too
+
+
+@dataclass
+class _Calibrating:
+    """What one auto_draft measures with: the models, prompts, the timing context, the search axes
+    (SearchSpace.axes) and candidates, and the progress bar."""
+
+    target: object
+    head: object
+    prompts: list
+    ctx: list
+    base: DraftSettings
+    axes: dict
+    cands: list
+    rounds: int
+    seed: int
+    max_new_tokens: int
+    budget_s: float
+    bar: object
+
+    def costs(self, params: SamplingParams, share: float) -> tuple[Costs, list[str]]:
+        """The costs at one temperature: interleaved rounds (at least 3, within a quarter of
+        `share` seconds) over every verify width and (topk, depth) of the axes, minimum kept;
+        then the loop overhead of a mid-size hybrid of the space's head."""
+        topks, depth = self.axes["topks"], self.axes["depth"]
+        widths = tuple(sorted(set(VERIFY_WIDTHS) | {max(c.budget + c.lookup_len + 1 for c in self.cands)}))
+        m = self.target, self.head, self.ctx, topks, depth, params
+        c = measure_costs(*m, rounds=1, widths=widths, tick=self.bar.update)
+        one_round = 1e-3 * (sum(c.verify_ms.values()) + sum(c.draft_ms.values()) + c.plain_run_ms + c.plain_prefill_ms)
+        more = max(min(2, self.rounds - 1), min(self.rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))
+        c = _min_costs(c, measure_costs(*m, rounds=more, widths=widths, tick=self.bar.update, warmup=False))
+        self.bar.update(self.rounds - 1 - more)
+        k, d = topks[len(topks) // 2], min(3, depth)
+        probe = Candidate(k, d, min(16, k + (d - 1) * k * k), max(LOOKUP_LENS))
+        c.overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, probe, self.base.lookup_ngram)
+        if any(not x.topk for x in self.cands):
+            lookup = Candidate(0, 0, 0, max(x.lookup_len for x in self.cands if not x.topk))
+            c.lookup_overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, lookup, self.base.lookup_ngram)
+        self.bar.update(1)
+        return c, check_costs(c)
+
+    def traces(self, params: SamplingParams, share: float) -> tuple[list[Trace], list[str]]:
+        """The prompts traced at one temperature while the next one fits in `share` seconds."""
+        t_start, traces, traced_s = time.perf_counter(), [], 0.0
+        lens = tuple(sorted(set(self.axes["lookup_lens"]) - {0}))
+        for i, p in enumerate(self.prompts):
+            if traces and traced_s / len(traces) > share - (time.perf_counter() - t_start):
+                self.bar.update(len(self.prompts) - i)
+                return traces, [f"calibration budget ({self.budget_s:.0f} s): traced {len(traces)} of "
+                                f"{len(self.prompts)} prompts"]
+            t_trace = time.perf_counter()
+            traces.append(trace_prompt(self.target, self.head, p, self.max_new_tokens, params, self.seed + i,
+                                       self.axes["topks"], self.axes["depth"], lookup_lens=lens,
+                                       lookup_ngram=self.base.lookup_ngram,
+                                       reach_budget=max(64, max(c.budget for c in self.cands))))
+            traced_s += time.perf_counter() - t_trace
+            self.bar.update(1)
+        return traces, []
 
 
 def _context(prompts: list[list[int]], max_new_tokens: int) -> list[int]:
@@ -600,8 +739,9 @@ def check_plain(traces: list[Trace], costs: Costs) -> list[str]:
     return []
 
 
-def _settings(base: DraftSettings, cal: Calibration, target) -> DraftSettings:
-    """The choice as DraftSettings, with the measured costs and the prediction in `measured`."""
+def _settings(base: DraftSettings, cal: Calibration, target, space: SearchSpace, pays: float = PAYS) -> DraftSettings:
+    """The choice as DraftSettings, with the measured costs and the prediction in `measured` (and
+    what the user fixed, and whether the choice pays, where they fixed something)."""
     T0 = next(iter(cal.costs))
     c = cal.costs[T0]
     best = cal.rows[0] if cal.rows else None
@@ -615,11 +755,15 @@ def _settings(base: DraftSettings, cal: Calibration, target) -> DraftSettings:
         chosen = cal.choice.settings(base)
         pred = ", ".join(f"T={t}: tau {p['tau']:.2f}, {p['speedup']:.2f}x" for t, p in best["by_temperature"].items())
         why = f"measured: predicted {pred} over plain ({c.plain_step_ms:.1f} ms/step, {_cost_words(c, cal.choice)})"
+    if not space.any_mode:
+        why += (f"; searched only shapes with {_words(space.fixed)}" + (f" in mode {space.mode}" if space.mode else "")
+                + ("" if best["speedup"] > pays else f", none predicted faster than {pays:.2f}x plain: the best kept"))
     why += f"; {n_prompts} prompts in {cal.seconds:.0f} s"
     measured = {
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
         "prompts": n_prompts, "seconds": round(cal.seconds, 1), "warnings": list(cal.warnings),
+        "fixed": dict(space.fixed, **({"mode": space.mode} if space.mode else {})),
         "predicted": best["by_temperature"] if cal.choice is not None and best else
         {f"{t:g}": {"tau": 1.0, "speedup": 1.0} for t in cal.costs},
         "costs": {f"{t:g}": _costs_dict(cc) for t, cc in cal.costs.items()},
@@ -633,7 +777,8 @@ def _cost_words(c: Costs, cand: Candidate) -> str:
     """The measured costs that decide cand, in words."""
     w = cand.budget + cand.lookup_len + 1 if cand.topk else cand.lookup_len + 1
     draft = f"head draft {c.draft_ms[(cand.topk, cand.depth)]:.1f} ms, " if cand.topk else ""
-    return f"verify {w}: {c.verify(w):.1f} ms, {draft}loop overhead {c.overhead_ms:.1f} ms"
+    over = c.overhead_ms if cand.topk or c.lookup_overhead_ms is None else c.lookup_overhead_ms
+    return f"verify {w}: {c.verify(w):.1f} ms, {draft}loop overhead {over:.1f} ms"
 
 
 def _costs_dict(c: Costs) -> dict:
@@ -641,6 +786,7 @@ def _costs_dict(c: Costs) -> dict:
             "draft_ms": {f"{k}x{d}": round(v, 3) for (k, d), v in c.draft_ms.items()},
             "consume_ms": round(c.consume_ms, 3), "plain_step_ms": round(c.plain_step_ms, 3),
             "overhead_ms": round(c.overhead_ms, 3), "lookup_ms": round(c.lookup_ms, 3),
+            "lookup_overhead_ms": None if c.lookup_overhead_ms is None else round(c.lookup_overhead_ms, 3),
             "noise_ms_per_row": round(c.noise_ms_per_row, 4)}
 
 

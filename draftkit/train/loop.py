@@ -64,18 +64,24 @@ def holdout_shard(num_chunks: int, world: int, rank: int) -> list[tuple[int, flo
 
 
 @torch.no_grad()
-def heldout_sums(forward, samples: list[dict], micro: int, world: int = 1, rank: int = 0) -> torch.Tensor:
-    """(loss x tokens, top-1 agreement x tokens, tokens) of `forward` (a micro-batch of samples -> the
-    head's loss dict) over this rank's share of `samples`: micro-batches of similar lengths (less
-    padding), every world-th one from `rank`. Every rank runs the same number of forwards (weight-0
-    repeats fill the short ones): under ZeRO-3 each forward gathers the partitioned weights collectively."""
+def heldout_sums(forward, samples: list[dict], micro: int, world: int = 1, rank: int = 0,
+                 positions: tuple[int, ...] = ()) -> torch.Tensor:
+    """(loss x tokens, top-1 agreement x tokens, tokens, then for each of `positions` i: acc_i x
+    tokens_i, tokens_i) of `forward` (a micro-batch of samples -> the head's loss dict) over this
+    rank's share of `samples`: micro-batches of similar lengths (less padding), every world-th one
+    from `rank`. Every rank runs the same number of forwards (weight-0 repeats fill the short ones):
+    under ZeRO-3 each forward gathers the partitioned weights collectively."""
     samples = sorted(samples, key=lambda s: len(s["input_ids"]))
     chunks = [samples[i: i + micro] for i in range(0, len(samples), micro)]
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(3 + 2 * len(positions), dtype=torch.float64)
     for index, weight in holdout_shard(len(chunks), world, rank):
         out = forward(chunks[index])
         w = float(out["tokens"]) * weight
-        sums += torch.tensor([float(out["loss"]) * w, float(out["acc"]) * w, w], dtype=torch.float64)
+        row = [float(out["loss"]) * w, float(out["acc"]) * w, w]
+        for i in positions:  # each position weighted by its own rows (fewer near the samples' ends)
+            n = float(out[f"tokens_{i}"]) * weight
+            row += [float(out[f"acc_{i}"]) * n, n]
+        sums += torch.tensor(row, dtype=torch.float64)
     return sums
 
 
@@ -144,6 +150,7 @@ class Trainer:
         def load(transformer: bool) -> Target:
             return load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype, trust_remote_code=t.trust_remote_code,
                                device=self.dist.device, transformer=transformer)
+        self.stage1_before_decoder(load)
         why = ("train.features is online" if r.train.features != "offline" else
                "train.eval_every runs the draft-verify loop" if r.train.eval_every else None)
         self.found = None  # stage 1's data when the shell was chosen (read once, in unstored_features)
@@ -162,6 +169,17 @@ class Trainer:
         if self.main:
             log.info("target %s: full target loaded (%d decoder layers): %s", target.name, target.num_layers, why)
         return target
+
+    def stage1_before_decoder(self, load) -> None:
+        """Stage 1 with a shell target first when vLLM answers it (data.responses.engine vllm, or auto
+        resolving to it): vLLM takes its own share of the GPU's memory, so the HF decoder is loaded
+        only after vLLM has stopped. Nothing to do when stage 1 is finished (prepare finds it)."""
+        from draftkit.distill.prepare import needs_decoder, prepare
+
+        if needs_decoder(self.recipe):
+            return
+        with checkpoint.rng_unchanged():  # the same random numbers whether stage 1 ran here or was cached
+            prepare(self.recipe, load(transformer=False), self.dist, self.recipe.samples_needed(self.global_batch))
 
     def prepare(self) -> None:
         r = self.recipe
@@ -264,11 +282,14 @@ class Trainer:
         if not self.data.holdout_samples:
             return {}
         self.head.eval()
+        positions = tuple(self.head.agreement_positions)
         sums = heldout_sums(lambda chunk: self.engine(self.features.batch(chunk, self.pad_id)),
-                            self.data.holdout_samples, self.micro, self.dist.world_size, self.dist.rank)
+                            self.data.holdout_samples, self.micro, self.dist.world_size, self.dist.rank, positions)
         self.head.train()
-        loss, acc, n = sum_across(sums.to(self.dist.device)).tolist()
-        return {"heldout_loss": loss / max(n, 1), "heldout_acc": acc / max(n, 1)}
+        loss, acc, n, *per = sum_across(sums.to(self.dist.device)).tolist()
+        out = {"heldout_loss": loss / max(n, 1), "heldout_acc": acc / max(n, 1)}
+        out.update({f"heldout_acc_{i}": per[2 * j] / max(per[2 * j + 1], 1) for j, i in enumerate(positions)})
+        return out
 
     def speculative_eval(self) -> dict[str, float]:
         """τ and α_i of the real draft-verify loop on held-aside prompts (recipe: train.eval_every).
