@@ -1,7 +1,7 @@
 """train.engine_eval_every: the head as trained so far, served by vLLM during training, logged beside the loss.
 
 A tiny llama vLLM runs (tests/conftest.py: save_vllm_target) with the fixture tokenizer is trained for
-6 steps with the engine's evaluation every 3; the figures logged at steps 3 and 6 must EQUAL draftkit's
+60 steps with the engine's evaluation every 30; the figures logged at steps 30 and 60 must EQUAL draftkit's
 loop under vLLM's rule (fp32, T = 0, as tests/test_engine_vllm.py shows they do) run on the head of that
 very step (read back from the step's checkpoint) on the held-aside prompts. A hook that served a stale
 export or another step's head logs other counts (the two steps' heads accept differently: checked).
@@ -22,10 +22,10 @@ from draftkit.engines.vllm_train_eval import export_now, prompt_ids
 from tests.conftest import save_vllm_target, vllm_python
 from tests.test_train import FIXTURES, prompt_file, python_run, recipe_args  # noqa: F401 (prompt_file: a fixture)
 
-K, N_NEW, EVERY, STEPS = 3, 16, 3, 6
+K, N_NEW, EVERY, STEPS = 3, 16, 30, 60
 ENGINE_ARGS = [f"train.max_steps={STEPS}", f"train.engine_eval_every={EVERY}", f"train.save_every={EVERY}",
                "train.keep_checkpoints=2", f"train.eval_k={K}", f"train.eval_max_new_tokens={N_NEW}",
-               "train.log_every=100", "train.lr=0.01", "data.holdout=4", "data.responses.engine=hf"]
+               "train.log_every=100", "train.lr=0.02", "train.epochs=4", "data.holdout=4", "data.responses.engine=hf"]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_missing_vllm_stops_before_any_data_with_one_line(target_dir, prompt_fil
     assert res.returncode == 1, res.stderr[-3000:]
     err = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert "train.engine_eval_every=3: vLLM not found" in err[0] and "setup_vllm.sh" in err[0], err
+    assert "train.engine_eval_every=30: vLLM not found" in err[0] and "setup_vllm.sh" in err[0], err
     assert not list(cache.rglob("manifest.json")) and not (tmp_path / "run" / "checkpoints").exists()
 
 
