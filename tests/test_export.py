@@ -325,7 +325,9 @@ def test_import_published_layouts(target, tmp_path):
     for x, y in zip(draft_logits(med, target), draft_logits(back, target), strict=True):
         assert torch.equal(x, y)
 
-    # EAGLE-3 release: no aux ids (engine default 2, N//2, N-3 of the target), t2d present
+    # EAGLE-3 release: no aux ids (engine default 2, N//2, N-3 of the target), t2d present. An 8-layer
+    # target: on 4 layers that default is (2, 2, 1), which no engine can serve (export refuses it).
+    target = make_tiny_target(layers=8)
     e3 = build_head({"type": "eagle3", "draft_vocab_size": 64}, target)
     e3.save_pretrained(tmp_path / "e3")
     vout = export_head(tmp_path / "e3", "vllm", tmp_path / "e3v")
