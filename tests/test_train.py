@@ -426,3 +426,19 @@ def test_heldout_agreement_is_sharded_once_with_equal_forwards(chunks, world):
     counted = sorted(i for p in plans for i, w in p if w == 1.0)
     assert counted == list(range(chunks))  # each held-out micro-batch counted exactly once
     assert all(w == 0.0 for p in plans for i, w in p if (i, w) not in [(j, 1.0) for j in range(chunks)])
+
+
+def test_a_child_of_a_process_that_made_its_own_group_does_not_inherit_its_bound_port():
+    """init_distributed from plain `python` binds a port it picked; a `python run.py` started from that
+    process (a notebook, a test) used to inherit MASTER_PORT and die with EADDRINUSE (CI, Gemma test)."""
+    child = "from draftkit.train.distributed import init_distributed; print('child rank', init_distributed().rank)"
+    parent = ("import os, subprocess, sys\n"
+              "from draftkit.train.distributed import init_distributed\n"
+              "init_distributed()\n"
+              f"r = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True)\n"
+              "print(r.stdout, r.stderr[-1500:]); sys.exit(r.returncode)\n")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    r = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and "child rank 0" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

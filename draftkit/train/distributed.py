@@ -27,16 +27,24 @@ def free_port() -> int:
 
 
 def init_distributed() -> Dist:
-    """Join (or, for plain `python`, create) the process group; gloo on CPU, nccl on CUDA."""
+    """Join (or, for plain `python`, create) the process group; gloo on CPU, nccl on CUDA.
+
+    A port this function picks itself is removed from the environment once the group holds it, so a
+    process started from this one (a `python run.py` from a notebook or a test) picks its own instead of
+    inheriting a port that is already bound (EADDRINUSE)."""
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    own_port = "MASTER_PORT" not in os.environ
+    if own_port:
+        os.environ["MASTER_PORT"] = str(free_port())
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
+    if own_port:  # the port is held by this process's store from here on: a child must not inherit it
+        del os.environ["MASTER_PORT"]
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if on_cuda:
         torch.cuda.set_device(local)
