@@ -50,6 +50,9 @@ def main() -> int:
                     help="our loop's batch sizes (default: --batch-sizes); other engine runs are compared with "
                          "the loop's smallest batch at the same temperature")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--cpu-sampler-as-shipped", action="store_true",
+                    help="T > 0: serve vLLM CPU's rejection sampler as shipped (0.32.0 applies an uninitialised "
+                         "temperature: benchmarks/vllm_t1_trace.py) instead of with the worker's correction")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine_vllm.json")
     args = ap.parse_args()
     python = find_python()
@@ -61,7 +64,8 @@ def main() -> int:
         ids = [i for i in (encode(target.tokenizer, p) for p in prompts) if i]
         base = EngineEvalSettings(k=args.k, temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
                                   batch_sizes=tuple(args.batch_sizes), dtype=dtype, python=python,
-                                  loop_batch_sizes=tuple(args.loop_batch_sizes) if args.loop_batch_sizes else None)
+                                  loop_batch_sizes=tuple(args.loop_batch_sizes) if args.loop_batch_sizes else None,
+                                  cpu_sampler_fix=not args.cpu_sampler_as_shipped)
         for n, head in enumerate(args.heads):  # plain and ngram with the first head's run only
             s = replace(base, methods=("plain", "ngram", "head") if n == 0 else ("head",))
             report = engine_eval(target, head, ids, s)

@@ -50,6 +50,9 @@ class EngineEvalSettings:
     work_dir: str | None = None  # where the export goes (default: a temp dir)
     timeout_s: float | None = None
     inspect_drafter: bool = False  # also report where vLLM's drafter took every parameter from
+    # T > 0: serve with the worker's correction of vLLM CPU 0.32.0's rejection sampler, which applies an
+    # uninitialised temperature (vllm_worker.py: fix_cpu_rejection_sampler); False: vLLM CPU as shipped
+    cpu_sampler_fix: bool = True
 
 
 def loop_decoder(target, head, k: int, stop_ids: list[int]):
@@ -145,12 +148,15 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
         spec = speculative_config(family if method == "head" else method, k, export, ngram=s.ngram)
         inspect_it = s.inspect_drafter and method == "head"
         req = EngineRequest(model_dir, prompts, runs, spec, dtype=s.dtype, seed=s.seed, inspect_drafter=inspect_it,
-                            drafter_files=[str(f) for f in sorted(export.glob("*.safetensors"))] if inspect_it else [])
+                            drafter_files=[str(f) for f in sorted(export.glob("*.safetensors"))] if inspect_it else [],
+                            cpu_sampler_fix=s.cpu_sampler_fix and any(t > 0 for t in s.temperatures))
         log.info("vLLM: serving %s", spec or "plain")
         engine[method] = serve(req, python=s.python, timeout=s.timeout_s)
     report = {"family": family, "k": k, "export": str(export), "model_dir": model_dir, "notes": notes,
               "settings": asdict(s), "vllm_version": next(iter(engine.values()))["vllm_version"] if engine else None,
               "engine": {}, "loop": {}, "comparison": {}, "failures": []}
+    report["cpu_sampler_fix"] = {m: res.get("cpu_sampler_fix", "off") for m, res in engine.items() if m != "plain"}
+    report["notes"] += sampler_notes(report["cpu_sampler_fix"], s)
     for m, res in engine.items():
         report["engine"][m] = {r["name"]: _engine_run(r, k if m != "plain" else 0) for r in res["runs"]}
         report["engine"][m]["load_seconds"] = res["load_seconds"]
@@ -160,6 +166,24 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
         _compare_loop(report, served_head(export, target, work), target, prompts, s, k, stop_ids, engine)
     report["ok"] = not report["failures"]
     return report
+
+
+CPU_SAMPLER_DEFECT = ("vLLM CPU 0.32.0's rejection sampler divides the target's logits by uninitialised memory at "
+                      "T > 0, not by the temperature (vllm/utils/cpu_triton_utils.py:390-404: expand's float output "
+                      "is never written; rejection_sampler.py:550-558), so as shipped it accepts close to nothing "
+                      "and its recovered tokens do not follow the target (benchmarks/vllm_t1_trace.py)")
+
+
+def sampler_notes(fix: dict, s: EngineEvalSettings) -> list[str]:
+    """What the T > 0 engine figures are: vLLM's rule (the defect corrected) or vLLM CPU as shipped."""
+    if not any(t > 0 for t in s.temperatures) or not fix:
+        return []
+    if any(v == "applied" for v in fix.values()):
+        return [CPU_SAMPLER_DEFECT + "; served with draftkit's correction (engines/vllm_worker.py: "
+                "fix_cpu_rejection_sampler), so the T > 0 figures are vLLM's rule, as its GPU kernel applies it"]
+    if all(v == "off" for v in fix.values()):
+        return ["T > 0 served by vLLM CPU as shipped (cpu_sampler_fix off): " + CPU_SAMPLER_DEFECT]
+    return []
 
 
 def _engine_run(r: dict, k: int) -> dict:

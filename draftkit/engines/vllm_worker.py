@@ -9,10 +9,14 @@ engines one after another in this one process (each built, run and shut down in 
 
   request {model, dtype, speculative_config | null, max_model_len, max_num_seqs, kv_cache_gib,
            prompts: [[token id]], runs: [{name, batch_size, sampling: {temperature, top_p, top_k,
-           seed, max_tokens, ignore_eos}}], inspect_drafter: bool}
+           seed, max_tokens, ignore_eos}}], inspect_drafter: bool, cpu_sampler_fix: bool}
   result  {vllm_version, load_seconds, runs: [{name, outputs: [[token id]], wall_s, new_tokens,
            tokens_per_s, counters: {num_drafts, num_draft_tokens, num_accepted_tokens,
-           accepted_per_pos}}], drafter: {...} | null}
+           accepted_per_pos}}], drafter: {...} | null, cpu_sampler_fix: applied | not needed | not cpu | off}
+
+cpu_sampler_fix: vLLM CPU 0.32.0's rejection sampler applies an uninitialised temperature at T > 0
+(fix_cpu_rejection_sampler's doc); with it set, the worker probes for that defect after the engine
+starts and, where found, serves with the temperature applied as vLLM's rule states.
   request with engines: [{name, speculative_config | null}] -> result {vllm_version,
            engines: [{name, speculative_config, load_seconds, runs: [...], drafter}]}
 
@@ -190,6 +194,48 @@ def generate_responses(req: dict, result_path: str) -> int:
     return 0
 
 
+# ---- vLLM CPU 0.32.0's rejection sampler at T > 0 (benchmarks/vllm_t1_trace.py measured it) ----------
+
+def _expand_torch(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """rejection_sampler.expand_batch_to_tokens's stated rule in torch: x[b] (replace_from -> replace_to)
+    repeated for each of request b's tokens, cu_num_tokens being their cumulative counts."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # (B,)
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+
+def cpu_expand_drops_output() -> bool:
+    """Whether the dispatched expand kernel leaves a float output unwritten. vLLM CPU 0.32.0's wrapper
+    (vllm/utils/cpu_triton_utils.py:390, _expand_kernel_impl) hands the C++ kernel `output.to(int64)`,
+    a copy for any other dtype, and never copies it back, so expand_batch_to_tokens returns the
+    torch.empty it allocated: the temperature (and top_k, top_p) its rejection sampler applies to the
+    target's logits at T > 0 (rejection_sampler.py:550-578) is uninitialised memory."""
+    import torch
+    import vllm.v1.sample.rejection_sampler as rs
+
+    out = torch.full((2,), float("nan"))
+    rs._expand(out, torch.tensor([2.0, 0.0]), torch.tensor([1, 2], dtype=torch.int32), 0, 1)
+    return out.tolist() != [2.0, 1.0]
+
+
+def fix_cpu_rejection_sampler() -> str:
+    """Where the probe shows the defect (vLLM's CPU platform only), serve the rejection sampler with
+    expand_batch_to_tokens computed in torch, so T > 0 follows vLLM's rule as its GPU kernel applies
+    it. Returns what was done: "applied", "not needed" (no defect) or "not cpu"."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "not cpu"
+    if not cpu_expand_drops_output():
+        return "not needed"
+    import vllm.v1.sample.rejection_sampler as rs
+
+    rs.expand_batch_to_tokens = _expand_torch
+    return "applied"
+
+
 def serve_engine(LLM, req: dict, speculative_config: dict | None, last: bool) -> dict:
     """One engine: built, every run of the request, then (unless it is the last) shut down, so
     that the next engine of request kind "engines" starts clean in this process."""
@@ -200,13 +246,14 @@ def serve_engine(LLM, req: dict, speculative_config: dict | None, last: bool) ->
               speculative_config=speculative_config, max_model_len=req["max_model_len"],
               max_num_seqs=req["max_num_seqs"], disable_log_stats=False, seed=req.get("seed", 0))
     load = time.perf_counter() - t0
+    fix = fix_cpu_rejection_sampler() if req.get("cpu_sampler_fix") else "off"  # after LLM(): kernels registered
     runs = [run_one(llm, req["prompts"], r) for r in req["runs"]]
     drafter = inspect_drafter(llm, req["drafter_files"]) if req.get("inspect_drafter") else None
     if not last:
         llm.llm_engine.engine_core.shutdown()  # in-process core: frees the KV cache, tears down torch.distributed
         del llm
         gc.collect()
-    return {"load_seconds": load, "runs": runs, "drafter": drafter}
+    return {"load_seconds": load, "runs": runs, "drafter": drafter, "cpu_sampler_fix": fix}
 
 
 def main(request_path: str, result_path: str) -> int:
