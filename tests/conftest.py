@@ -177,3 +177,21 @@ def vllm_python() -> str:
         if want == "1":
             pytest.fail(f"DRAFTKIT_CHECK_VLLM=1 but {e}")
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def engine_python() -> str:
+    """vllm_python() for the tests that serve with the real engine (skip or fail as it says)."""
+    return vllm_python()
+
+
+def vllm_world(root, new_tokens: int) -> dict:
+    """What the engine tests serve: save_vllm_target in root / "target" (the verifier their exports
+    name), 8 random prompts of 4 tokens and its greedy reference of new_tokens each (no stop id):
+    {root, target, prompts, ref}; each test file adds the heads it fits."""
+    from draftkit.inference.decoder import plain_generate
+
+    target = save_vllm_target(root / "target")
+    prompts = torch.randint(3, 256, (8, 4), generator=torch.Generator().manual_seed(1)).tolist()
+    ref, _, _ = plain_generate(target, prompts, max_new_tokens=new_tokens, stop_ids=[])
+    return {"root": root, "target": target, "prompts": prompts, "ref": ref}

@@ -25,7 +25,7 @@ from draftkit.export import export_head
 from draftkit.export import layout as layouts
 from draftkit.heads import build_head
 from tests import test_engine_vllm as tev
-from tests.conftest import fit, save_vllm_target, vllm_python
+from tests.conftest import fit, vllm_world
 
 K = 3
 BLOCK = K + 1
@@ -38,19 +38,11 @@ FROM_TARGET = {"model.embed_tokens.weight"}
 
 
 @pytest.fixture(scope="module")
-def engine_python():
-    return vllm_python()
-
-
-@pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The engine tests' tiny llama verifier, its greedy reference, a DFlash head fitted to it."""
-    from draftkit.inference.decoder import plain_generate
-
-    root = tmp_path_factory.mktemp("vllm-dflash")
-    target = save_vllm_target(root / "target")
-    prompts = torch.randint(3, 256, (8, 4), generator=torch.Generator().manual_seed(1)).tolist()
-    ref, _, _ = plain_generate(target, prompts, max_new_tokens=tev.N_NEW, stop_ids=[])
+    """The engine tests' tiny llama verifier and its greedy reference (conftest.vllm_world), a DFlash
+    head fitted to it."""
+    world = vllm_world(tmp_path_factory.mktemp("vllm-dflash"), tev.N_NEW)
+    root, target, prompts, ref = world["root"], world["target"], world["prompts"], world["ref"]
     # vLLM embeds ANY input equal to mask_token_id with the mask vector (qwen3_dflash.py
     # embed_input_ids), the anchor token included: the id must be one the text never holds
     seen = {t for p, r in zip(prompts, ref) for t in p + r}
@@ -59,7 +51,7 @@ def world(tmp_path_factory):
     seqs = torch.tensor([p + r for p, r in zip(prompts, ref)])
     fit(head, target.features(seqs, None, head.feature_layers), steps=150, lr=1e-2)
     head.eval().save_pretrained(root / "dflash")
-    return {"root": root, "target": target, "prompts": prompts, "ref": ref, "heads": {"dflash": head}}
+    return {**world, "heads": {"dflash": head}}
 
 
 def engine_and_loop(world, export, python: str, k: int = K, inspect: bool = False) -> tuple[dict, dict, dict]:
