@@ -8,9 +8,11 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# The recipes say data.responses.engine: auto (vLLM where installed); the tests run stage 1 on tiny
-# models vLLM's CPU attention cannot serve (head_dim < 64), in this process and in the runs they
-# launch, so auto means hf here. Tests of auto and of vLLM set the engine themselves.
+# The recipes say data.responses.engine: auto (vLLM where installed). Most tests run stage 1 on tiny
+# models vLLM's CPU attention cannot serve (head_dim 8), which auto answers with hf by itself
+# (engines/vllm_data.cpu_refusal); auto means hf here, in this process and in the runs they launch,
+# so that it neither looks for vLLM (an import in a subprocess) nor starts it for a tiny target it
+# could serve. Tests of auto and of vLLM set the engine themselves.
 os.environ["DRAFTKIT_DATA_ENGINE"] = "hf"
 
 
