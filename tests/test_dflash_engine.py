@@ -3,7 +3,8 @@ draftkit's `--format vllm` export as DFlashQwen3ForCausalLM beside the tiny llam
 
 A head fitted on the target's greedy continuations (so it accepts) is served with a chain of
 K = block_size - 1, and of k = 2 < B - 1 (vLLM's DFlash runs a block of 1 + num_speculative_tokens
-query slots: the head's own block only when k = B - 1; our loop follows with engine_block). vLLM's
+query slots: the head's own block only when k = B - 1; engines/vllm_eval.loop_decoder, the loop
+`eval --engine vllm` compares with, follows with DFlashHead.engine_block). vLLM's
 greedy tokens equal plain decoding's, vLLM's own counters of accepted tokens per position EQUAL our
 loop's under the engine rule (fp32, T = 0), and every drafter parameter vLLM holds came from the
 export (or, named, from the target). A planted export bug makes the engine accept clearly less than
@@ -71,8 +72,7 @@ def engine_and_loop(world, export, python: str, k: int = K, inspect: bool = Fals
                            drafter_files=[str(export / "model.safetensors")])
     res = ev.serve(req, python=python)
     head = world["heads"]["dflash"]
-    head.engine_block = True  # vLLM's block: 1 + k slots
-    try:
+    try:  # the loop `eval --engine vllm` compares with: it drafts vLLM's block of 1 + k slots itself
         outs, stats = loop_decoder(world["target"], head, k, []).generate(world["prompts"], tev.N_NEW)
     finally:
         head.engine_block = False
