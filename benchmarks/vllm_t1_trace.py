@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "draftkit" / "engines" / "vllm_worker.py"
-TOKEN_SAMPLE = 12  # drafted-token records kept per run in the JSON (the summary covers all)
+TOKEN_SAMPLE = 4  # drafted-token records kept per run in the JSON (the summary covers all)
 
 
 # ---- engine side: runs in the vLLM venv ------------------------------------------------------------
