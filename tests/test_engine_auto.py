@@ -43,13 +43,17 @@ def saved_fitted(tmp_path_factory):
     return root
 
 
-def test_loop_draft_auto_records_the_sglang_tree_it_measured(saved_fitted, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("margin", [PAYS, 0.0])
+def test_loop_draft_auto_records_the_sglang_tree_it_measured(margin, saved_fitted, tmp_path, monkeypatch, capsys):
+    """margin: eval's own (on this tiny target no tree pays: plain), and 0, so that the best tree is
+    chosen whatever the machine timed (the tree's flags are then what inspect prints)."""
     import shutil
 
     from draftkit.export import export_head
     from draftkit.export.cli_inspect import inspect_dir
-    from draftkit.inference import calibrate as cal_mod
+    from draftkit.inference import calibrate as cal_mod, cli_eval
 
+    monkeypatch.setattr(cli_eval, "PAYS", margin)
     seen = []
     real = cal_mod.auto_draft
     monkeypatch.setattr(cal_mod, "auto_draft", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
@@ -68,10 +72,10 @@ def test_loop_draft_auto_records_the_sglang_tree_it_measured(saved_fitted, tmp_p
     best = next(r for r in cal.rows if not r["candidate"].lookup_len
                 and sglang_serves(r["candidate"].topk, r["candidate"].depth, r["candidate"].budget))
     c = best["candidate"]
-    assert not rec["engine_measured"] and rec["engine"] == "sglang" and rec["margin"] == PAYS
+    assert not rec["engine_measured"] and rec["engine"] == "sglang" and rec["margin"] == margin
     assert rec["predicted_speedup"] == round(best["speedup"], 4)
     assert rec["temperatures"] == [0.0] and rec["dtype"] == "float32" and rec["batch_size"] == 1
-    if best["speedup"] > PAYS:
+    if best["speedup"] > margin:
         assert (rec["choice"], rec["algorithm"], rec["speculative_num_steps"], rec["speculative_eagle_topk"],
                 rec["speculative_num_draft_tokens"]) == ("tree", "EAGLE", c.depth, c.topk, c.budget + 1), (rec, best)
         assert rec["by_temperature"] == best["by_temperature"]
@@ -79,7 +83,7 @@ def test_loop_draft_auto_records_the_sglang_tree_it_measured(saved_fitted, tmp_p
                 f"--speculative-eagle-topk {c.topk} --speculative-num-draft-tokens {c.budget + 1}")
     else:
         assert (rec["choice"], rec["best_tree"]) == ("plain", best["label"]), (rec, best)
-        want = f"SGLang: plain decoding predicted fastest: no SGLang-valid tree beat plain by {PAYS}x"
+        want = f"SGLang: plain decoding predicted fastest: no SGLang-valid tree beat plain by {margin}x"
     assert "measured in draftkit's loop, not engine-measured" in err
     # the same record in the report, in the head (--save-draft) and, through export, in inspect's lines
     assert json.loads((out / "report.json").read_text())["engine_draft"]["sglang"] == rec
@@ -100,3 +104,23 @@ def test_a_fixed_search_records_no_sglang_tree(saved_fitted, tmp_path, monkeypat
                 "--calibration-budget", "10", "--draft", "calibrate", "--tree-topk", "2", "--compare", "none",
                 "--dtype", "float32", "--out", str(out)]) == 0
     assert "engine_draft" not in json.loads((out / "draft.json").read_text())
+
+
+def test_sglang_record_takes_the_first_tree_sglang_serves_as_drafted():
+    """A ranking whose faster rows SGLang cannot serve as drafted (a lookup branch, topk 1 that is not
+    a chain, more draft tokens than an EAGLE tree of that topk and depth has): the first that it can."""
+    from draftkit.export.serving import sglang_record
+    from draftkit.inference.cost import Candidate
+
+    ranked = [(Candidate(0, 0, 0, 4), 1.9), (Candidate(8, 1, 8, 8), 1.6), (Candidate(1, 3, 2), 1.5),
+              (Candidate(2, 3, 12), 1.4), (Candidate(4, 2, 6), 1.3), (Candidate(2, 2, 4), 1.2)]
+    rows = [{"candidate": c, "label": c.label(), "speedup": sp, "by_temperature": {"0": {"speedup": sp}}}
+            for c, sp in ranked]
+    assert [sglang_serves(c.topk, c.depth, c.budget) and not c.lookup_len for c, _ in ranked] == [False] * 4 + [True] * 2
+    rec = sglang_record(rows, "eagle3", PAYS, {"dtype": "float32"})
+    assert (rec["choice"], rec["algorithm"], rec["speculative_num_steps"], rec["speculative_eagle_topk"],
+            rec["speculative_num_draft_tokens"], rec["predicted_speedup"]) == ("tree", "EAGLE3", 2, 4, 7, 1.3)
+    assert rec["dtype"] == "float32" and not rec["engine_measured"]
+    plain = sglang_record(rows, "eagle", 1.35, {})
+    assert (plain["choice"], plain["best_tree"], plain["predicted_speedup"]) == ("plain", "tree 4x2 b6", 1.3)
+    assert sglang_record(rows, "medusa", PAYS, {}) is None  # SGLang has no Medusa drafter
