@@ -176,8 +176,9 @@ def test_auto_on_a_machine_where_nothing_pays_says_plain_in_one_line(fitted, mon
     target, head, _ = fitted
     forward = target.decoder
 
-    def slow(*a, input_ids, **kw):  # a machine where every token fed beyond one costs 4 ms: nothing can pay
-        time.sleep(0.004 * (input_ids.shape[1] - 1))
+    def slow(*a, input_ids, **kw):  # a machine where every token fed beyond one costs 12 ms: nothing can pay,
+        # and a loaded CPU (a plain step measured a few ms slow) cannot make it look as if it did
+        time.sleep(0.012 * (input_ids.shape[1] - 1))
         return forward(*a, input_ids=input_ids, **kw)
     monkeypatch.setattr(target, "decoder", slow)
     chosen, cal = auto_draft(target, head, PROMPTS[:2], topks=(2,), max_depth=2, max_new_tokens=12, rounds=1)

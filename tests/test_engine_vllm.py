@@ -335,3 +335,13 @@ def test_engine_draft_choice_reuses_a_saved_vllm_choice_in_order(tmp_path, capsy
     for flags in (["--draft", "tree"], ["--tree-topk", "4"]):
         with pytest.raises(ValueError, match="serves chains"):
             choice(*flags)
+
+
+def test_first_differences_names_each_differing_prompt_and_where_it_first_differs():
+    """bf16 runs report how many prompts a served head moved off plain decoding, and how deep."""
+    from draftkit.engines.vllm_eval import first_differences
+
+    a = [[1, 2, 3], [4, 5, 6], [7], [8, 9]]
+    b = [[1, 2, 3], [4, 6, 6], [7, 0], [9, 9]]
+    assert first_differences(a, b) == {1: 1, 2: 1, 3: 0}  # a length difference counts at the shorter end
+    assert first_differences(a, a) == {}

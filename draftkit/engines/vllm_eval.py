@@ -187,11 +187,25 @@ def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine) -> None
         if greedy:
             plain = report["engine"].get("plain", {}).get(name, {}).get("outputs")
             c["outputs"] = {"engine_head_equals_engine_plain": None if plain is None else eng["outputs"] == plain,
-                            "loop_equals_engine_head": res["outputs"] == eng["outputs"]}
+                            "loop_equals_engine_head": res["outputs"] == eng["outputs"],
+                            "engine_head_vs_plain_first_differences": None if plain is None
+                            else first_differences(eng["outputs"], plain),
+                            "loop_vs_engine_head_first_differences": first_differences(res["outputs"], eng["outputs"])}
             if plain is not None and eng["outputs"] != plain:
                 c["failures"].append("T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens")
         report["comparison"][name] = c
         report["failures"] += [f"{name}: {f}" for f in c["failures"]]
+
+
+def first_differences(a: list[list[int]], b: list[list[int]]) -> dict[int, int]:
+    """{prompt index: first output position where a and b differ} for the prompts whose outputs differ
+    (a length difference counts at the shorter one's end): how many prompts, and how deep, a bf16 run's
+    numerics moved; fp32 must give {}."""
+    out = {}
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            out[i] = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return out
 
 
 def format_report(report: dict) -> str:
@@ -221,6 +235,14 @@ def format_report(report: dict) -> str:
         t = c["tau"]
         lines.append(f"{name} tau: ours {t['ours']:.4f}, engine {t['engine']:.4f}, tolerance {t['tolerance']:.4f}: "
                      f"{'ok' if t['ok'] else 'OUTSIDE'}")
+    for name, c in report["comparison"].items():
+        diffs = c.get("outputs", {})
+        for key, label in (("engine_head_vs_plain_first_differences", "vLLM head vs vLLM plain"),
+                           ("loop_vs_engine_head_first_differences", "our loop vs vLLM head")):
+            if diffs.get(key):
+                first = sorted(diffs[key].values())
+                lines.append(f"{name} outputs, {label}: {len(first)} prompts differ, "
+                             f"first at token {first[0]}, median {first[len(first) // 2]}")
     lines.append("OK: the engine's acceptance agrees with draftkit's loop" if report["ok"]
                  else "FAIL: " + "; ".join(report["failures"]))
     return "\n".join(lines)
