@@ -28,7 +28,6 @@ from tests.conftest import save_vllm_target, vllm_python
 from tests.test_train import FIXTURES, prompt_file, python_run, recipe_args  # noqa: F401 (prompt_file: a fixture)
 
 K, N_NEW, EVERY, STEPS = 3, 16, 30, 60
-ATTN_SCALE, MLP_SCALE = 0, 1  # each layer's o_proj and down_proj scaled: no attention, the next token the current one's
 ENGINE_ARGS = [f"train.max_steps={STEPS}", f"train.engine_eval_every={EVERY}", f"train.save_every={EVERY}",
                "train.keep_checkpoints=2", f"train.eval_k={K}", f"train.eval_max_new_tokens={N_NEW}",
                "train.log_every=100", "train.epochs=4", "data.holdout=4", "data.responses.engine=hf"]
@@ -42,10 +41,9 @@ def target_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("vllm-target") / "target"
     target = save_vllm_target(out, vocab_size=len(tok), tokenizer=tok, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    with torch.no_grad():  # the module doc: a target whose continuations a head learns across prompts
+    with torch.no_grad():  # the module doc: no attention, so every prompt's continuation is the same walk
         for layer in target.model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(ATTN_SCALE)
-            layer.mlp.down_proj.weight.mul_(MLP_SCALE)
+            layer.self_attn.o_proj.weight.zero_()
     target.model.save_pretrained(out)
     return out
 
