@@ -66,9 +66,9 @@ SHIFT = 0.10  # a category this far below the held-aside prompts is off the trai
 
 def held_aside(recipe, target, prepared: str | None) -> list:
     """The recipe's held-aside prompts (data.holdout: never trained on), from its prepared data."""
-    from draftkit.distill.prepare import finished, load_prepared
+    from draftkit.distill.prepare import load_prepared, trained_on
 
-    out = Path(prepared).expanduser() if prepared else finished(
+    out = Path(prepared).expanduser() if prepared else trained_on(
         recipe, target, recipe.samples_needed(recipe.train.micro_batch_size * recipe.train.grad_accum))
     if out is None:
         sys.exit("the recipe's prepared data (stage 1) is not in the cache for these settings (written by another "

@@ -8,9 +8,11 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# The recipes say data.responses.engine: auto (vLLM where installed); the tests run stage 1 on tiny
-# models vLLM's CPU attention cannot serve (head_dim < 64), in this process and in the runs they
-# launch, so auto means hf here. Tests of auto and of vLLM set the engine themselves.
+# The recipes say data.responses.engine: auto (vLLM where installed). Most tests run stage 1 on tiny
+# models vLLM's CPU attention cannot serve (head_dim 8), which auto answers with hf by itself
+# (engines/vllm_data.cpu_refusal); auto means hf here, in this process and in the runs they launch,
+# so that it neither looks for vLLM (an import in a subprocess) nor starts it for a tiny target it
+# could serve. Tests of auto and of vLLM set the engine themselves.
 os.environ["DRAFTKIT_DATA_ENGINE"] = "hf"
 
 
@@ -177,3 +179,21 @@ def vllm_python() -> str:
         if want == "1":
             pytest.fail(f"DRAFTKIT_CHECK_VLLM=1 but {e}")
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def engine_python() -> str:
+    """vllm_python() for the tests that serve with the real engine (skip or fail as it says)."""
+    return vllm_python()
+
+
+def vllm_world(root, new_tokens: int) -> dict:
+    """What the engine tests serve: save_vllm_target in root / "target" (the verifier their exports
+    name), 8 random prompts of 4 tokens and its greedy reference of new_tokens each (no stop id):
+    {root, target, prompts, ref}; each test file adds the heads it fits."""
+    from draftkit.inference.decoder import plain_generate
+
+    target = save_vllm_target(root / "target")
+    prompts = torch.randint(3, 256, (8, 4), generator=torch.Generator().manual_seed(1)).tolist()
+    ref, _, _ = plain_generate(target, prompts, max_new_tokens=new_tokens, stop_ids=[])
+    return {"root": root, "target": target, "prompts": prompts, "ref": ref}

@@ -25,6 +25,7 @@ from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.decoder import SpecDecoder
 from draftkit.target import FINAL
 from tests.conftest import fit, fit_on_greedy_continuations, make_arch_target
+from tests.test_export import draft_logits  # the logits every draft step samples from, on fixed inputs
 from tests.test_spec_decoder import hf_greedy  # transformers' own greedy decoding, one row at a time
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,8 +52,11 @@ EXPORTS = {
     ("speculators", "eagle3"): GEMMA_EMBEDDING,
     ("vllm", "medusa"): {}, ("draftkit", "eagle"): {}, ("draftkit", "eagle3"): {}, ("draftkit", "medusa"): {},
     ("draftkit", "mtp"): {},
-    ("vllm", "dflash"): GEMMA_EMBEDDING, ("draftkit", "dflash"): {},
+    ("vllm", "dflash"): GEMMA_EMBEDDING, ("draftkit", "dflash"): {}, ("speculators", "dflash"): GEMMA_EMBEDDING,
 }
+# Head settings a format needs beyond FAMILIES: speculators' DFlash has no separate mask vector (the
+# verifier's embedding row of mask_token_id), so its head keeps mask_embedding frozen at that row.
+EXPORT_HEAD = {("speculators", "dflash"): {"train_mask_embedding": False}}
 
 
 @pytest.fixture(scope="module", params=FULL + SLIDING)
@@ -182,12 +186,15 @@ def test_greedy_lossless_ragged_trained_head(lossless_arch, family, window_cross
         assert (window_crossings[0] > 0) == sliding, settings.mode
 
 
-def make_head(family: str, target, directory):
-    head = build_head(dict(FAMILIES[family]), target)
+def make_head(family: str, target, directory, **settings):
+    """A head with random weights everywhere it trains; frozen parameters (DFlash's mask vector with
+    train_mask_embedding false: the target's row) keep what the head was built with."""
+    head = build_head({**FAMILIES[family], **settings}, target)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     if hasattr(head, "set_draft_vocab"):
         head.set_draft_vocab(counts=torch.randint(0, 1000, (target.vocab_size,), generator=g))
     head.save_pretrained(directory)
@@ -197,7 +204,7 @@ def make_head(family: str, target, directory):
 @pytest.mark.parametrize("fmt,family", EXPORTS)
 def test_export_loads_or_refuses_naming_why(arch, fmt, family, tmp_path):
     target = target_of(arch)
-    src = make_head(family, target, tmp_path / "head")
+    src = make_head(family, target, tmp_path / "head", **EXPORT_HEAD.get((fmt, family), {}))
     why = EXPORTS[(fmt, family)].get(arch)
     if why is not None:
         with pytest.raises(ExportError, match=why) as e:
@@ -212,3 +219,6 @@ def test_export_loads_or_refuses_naming_why(arch, fmt, family, tmp_path):
     assert a.state_dict().keys() == b.state_dict().keys()
     for name, t in a.state_dict().items():
         assert torch.equal(t, b.state_dict()[name]), name
+    # the loop's drafts: what the config carries (feature layers, block size, mask id) as well as the weights
+    for x, y in zip(draft_logits(a, target), draft_logits(b, target), strict=True):
+        assert torch.equal(x, y)

@@ -185,11 +185,12 @@ def test_base_model_trains_end_to_end_from_a_text_file(model, base_tokenizer, tm
             "data.responses.max_new_tokens=8", "train.micro_batch_size=2", "train.max_steps=3",
             "train.warmup_steps=1", "logging.wandb_project=null", "head.type=eagle", "head.draft_vocab_size=64"]
     env = {"DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "PATH": "/usr/bin:/bin", "DRAFTKIT_DATA_ENGINE": "hf"}  # the recipe's engine auto: vLLM cannot serve head_dim 8
+           "PATH": "/usr/bin:/bin"}  # the recipe's engine auto: hf, as vLLM's CPU attention cannot serve head_dim 8
     r = subprocess.run([sys.executable, "draftkit/train/run.py", "recipes/quick.yaml", *args], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "has no chat template: training in completion mode" in r.stderr + r.stdout
+    assert "data.responses.engine auto -> hf: head_dim 8 not in vLLM CPU's supported sizes" in r.stderr + r.stdout
     assert (out / "head" / "model.safetensors").is_file()
 
 

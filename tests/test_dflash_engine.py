@@ -3,7 +3,8 @@ draftkit's `--format vllm` export as DFlashQwen3ForCausalLM beside the tiny llam
 
 A head fitted on the target's greedy continuations (so it accepts) is served with a chain of
 K = block_size - 1, and of k = 2 < B - 1 (vLLM's DFlash runs a block of 1 + num_speculative_tokens
-query slots: the head's own block only when k = B - 1; our loop follows with engine_block). vLLM's
+query slots: the head's own block only when k = B - 1; engines/vllm_eval.loop_decoder, the loop
+`eval --engine vllm` compares with, follows with DFlashHead.engine_block). vLLM's
 greedy tokens equal plain decoding's, vLLM's own counters of accepted tokens per position EQUAL our
 loop's under the engine rule (fp32, T = 0), and every drafter parameter vLLM holds came from the
 export (or, named, from the target). A planted export bug makes the engine accept clearly less than
@@ -20,12 +21,12 @@ import pytest
 import torch
 
 from draftkit.engines import vllm as ev
-from draftkit.engines.vllm_eval import loop_decoder
+from draftkit.engines.vllm_eval import EngineEvalSettings, engine_eval, loop_decoder
 from draftkit.export import export_head
 from draftkit.export import layout as layouts
 from draftkit.heads import build_head
 from tests import test_engine_vllm as tev
-from tests.conftest import fit, save_vllm_target, vllm_python
+from tests.conftest import fit, vllm_world
 
 K = 3
 BLOCK = K + 1
@@ -38,19 +39,11 @@ FROM_TARGET = {"model.embed_tokens.weight"}
 
 
 @pytest.fixture(scope="module")
-def engine_python():
-    return vllm_python()
-
-
-@pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The engine tests' tiny llama verifier, its greedy reference, a DFlash head fitted to it."""
-    from draftkit.inference.decoder import plain_generate
-
-    root = tmp_path_factory.mktemp("vllm-dflash")
-    target = save_vllm_target(root / "target")
-    prompts = torch.randint(3, 256, (8, 4), generator=torch.Generator().manual_seed(1)).tolist()
-    ref, _, _ = plain_generate(target, prompts, max_new_tokens=tev.N_NEW, stop_ids=[])
+    """The engine tests' tiny llama verifier and its greedy reference (conftest.vllm_world), a DFlash
+    head fitted to it."""
+    world = vllm_world(tmp_path_factory.mktemp("vllm-dflash"), tev.N_NEW)
+    root, target, prompts, ref = world["root"], world["target"], world["prompts"], world["ref"]
     # vLLM embeds ANY input equal to mask_token_id with the mask vector (qwen3_dflash.py
     # embed_input_ids), the anchor token included: the id must be one the text never holds
     seen = {t for p, r in zip(prompts, ref) for t in p + r}
@@ -59,7 +52,7 @@ def world(tmp_path_factory):
     seqs = torch.tensor([p + r for p, r in zip(prompts, ref)])
     fit(head, target.features(seqs, None, head.feature_layers), steps=150, lr=1e-2)
     head.eval().save_pretrained(root / "dflash")
-    return {"root": root, "target": target, "prompts": prompts, "ref": ref, "heads": {"dflash": head}}
+    return {**world, "heads": {"dflash": head}}
 
 
 def engine_and_loop(world, export, python: str, k: int = K, inspect: bool = False) -> tuple[dict, dict, dict]:
@@ -71,8 +64,7 @@ def engine_and_loop(world, export, python: str, k: int = K, inspect: bool = Fals
                            drafter_files=[str(export / "model.safetensors")])
     res = ev.serve(req, python=python)
     head = world["heads"]["dflash"]
-    head.engine_block = True  # vLLM's block: 1 + k slots
-    try:
+    try:  # the loop `eval --engine vllm` compares with: it drafts vLLM's block of 1 + k slots itself
         outs, stats = loop_decoder(world["target"], head, k, []).generate(world["prompts"], tev.N_NEW)
     finally:
         head.engine_block = False
@@ -101,13 +93,18 @@ def test_vllm_serves_dflash_as_our_loop(world, export, engine_python, monkeypatc
 
 
 @pytest.mark.integration
-def test_vllm_drafts_a_shorter_block_below_the_trained_length(world, export, engine_python):
+def test_vllm_drafts_a_shorter_block_below_the_trained_length(world, engine_python):
     """k = 2 < B - 1: vLLM runs 1 + k = 3 query slots, not the head's B = 4 (its blocks are
-    bidirectional, so the missing slot changes every draft); our loop under that rule
-    (DFlashHead.engine_block) gives vLLM's counts exactly."""
-    k = 2
-    res, engine, ours = engine_and_loop(world, export, engine_python, k=k)
-    assert res["runs"][0]["outputs"] == world["ref"]
+    bidirectional, so the missing slot changes every draft). Through `eval --engine vllm`'s path
+    (engine_eval: the native head exported, served, imported back, our loop by loop_decoder, which
+    drafts that block: DFlashHead.engine_block), vLLM's counts equal our loop's exactly."""
+    k, name = 2, f"T=0 B={tev.BATCH}"
+    s = EngineEvalSettings(k=k, max_new_tokens=tev.N_NEW, batch_sizes=(tev.BATCH,), ignore_eos=True,
+                           methods=("head",), python=engine_python, work_dir=str(world["root"] / "eval-k2"))
+    r = engine_eval(world["target"], world["root"] / "dflash", world["prompts"], s)
+    assert r["ok"], r["failures"]
+    engine, ours = r["engine"]["head"][name], r["loop"][name]
+    assert engine["outputs"] == world["ref"] and r["comparison"][name]["outputs"]["loop_equals_engine_head"]
     assert (engine["drafts"], engine["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"]), (engine, ours)
     assert engine["accept_rate"][0] > 0.3
 

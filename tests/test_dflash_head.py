@@ -130,6 +130,33 @@ def test_engine_block_drafts_as_a_head_of_block_k_plus_1(target):
     assert not torch.allclose(drafts(head, True), drafts(head, False), atol=1e-3)
 
 
+def test_engine_loop_decoder_drafts_vllms_block(target):
+    """`eval --engine vllm` compares vLLM with engines/vllm_eval.loop_decoder's chain: at k = 2 < B - 1
+    that loop drafts as vLLM does (a block of 1 + k slots: the same weights at block_size 3), not the
+    trained block of B. The drafts of every step are compared, in the loop itself."""
+    from draftkit.engines.vllm_eval import loop_decoder
+    from draftkit.inference.decoder import SpecDecoder
+
+    head = head_for(target)
+    small = build_head({"type": "dflash", "block_size": 3, "feature_layers": [1, 3]}, target).eval()
+    small.load_state_dict(head.state_dict())
+
+    def drafts(dec, drafter):
+        seen, draft = [], drafter.draft
+        drafter.draft = lambda *a: seen.append(draft(*a)[0]) or (seen[-1], None)  # greedy drafts: no probs
+        try:
+            dec.generate(LOOP_PROMPTS, 12)
+        finally:
+            del drafter.draft
+        return torch.cat(seen)
+
+    engine = drafts(loop_decoder(target, head, 2, []), head)
+    assert head.engine_block
+    assert torch.equal(engine, drafts(SpecDecoder(target, small, k=2, stop_ids=[]), small))
+    head.engine_block = False  # the trained block drafts otherwise: the comparison would see other drafts
+    assert not torch.equal(engine, drafts(SpecDecoder(target, head, k=2, stop_ids=[]), head))
+
+
 def test_block_loss_equals_a_hand_computation(target):
     """eval mode takes every anchor: loss = sum_{a,i} w_i KL(p_target(x_{a+i}) || p̂_{a,i}) / sum w,
     w_i = exp(-(i-1)/gamma), over a >= 1 with x_{a+1} a loss token and x_{a+i} a real loss token;
@@ -425,6 +452,37 @@ def test_speculators_export_runs_in_speculators_as_our_head(tmp_path, draft_voca
     trained.save_pretrained(tmp_path / "trained")
     with pytest.raises(ExportError, match="mask_embedding: this head trained its own mask vector"):
         export_head(tmp_path / "trained", "speculators", tmp_path / "no", target=target)
+
+
+def test_inspect_of_a_speculators_export_converts_with_the_given_or_recorded_target(tmp_path):
+    """speculators' DFlash has no mask vector: its import takes the target's embedding row, so
+    `draftkit inspect` of the export converts with the given --target, else with the target the
+    export records (a local directory, fingerprint checked); a misfit or a lost target is a problem
+    that says why."""
+    import shutil
+
+    from draftkit.cli import main
+    from draftkit.export import export_head
+    from draftkit.export.cli_inspect import inspect_dir
+    from draftkit.target import Target
+
+    tiny = make_arch_target("llama")
+    tiny.model.save_pretrained(tmp_path / "verifier")
+    target = Target(tiny.model, None, name=str(tmp_path / "verifier"))
+    head_for(target, train_mask_embedding=False).save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "speculators", tmp_path / "spec", target=target)
+    recorded = inspect_dir(out)
+    assert recorded["problems"] == [] and recorded["family"] == "dflash", recorded["problems"]
+    said = f"converted with the export's recorded target {(tmp_path / 'verifier').resolve()} (fingerprint checked)"
+    assert any(line.startswith(said) for line in recorded["lines"]), recorded["lines"]
+    given = inspect_dir(out, target=target)
+    assert given["problems"] == [] and not any("recorded target" in line for line in given["lines"])
+    misfit = inspect_dir(out, target=make_arch_target("llama", seed=1))["problems"]
+    assert any(p.startswith("fingerprint") for p in misfit) and any("not converted with target" in p for p in misfit)
+    assert main(["inspect", str(out)]) == 0  # the CLI, no --target
+    shutil.rmtree(tmp_path / "verifier")
+    (gone,) = inspect_dir(out)["problems"]
+    assert "recorded target" in gone and "not a local model directory" in gone and "pass --target" in gone
 
 
 def test_tree_children_come_from_their_depths_position(target):

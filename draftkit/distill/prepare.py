@@ -53,6 +53,10 @@ class Prepared:
 
 def data_fingerprint(recipe, target, num_samples: int) -> str:
     """Everything that decides the prepared data, hashed; not where it goes or how fast it is made."""
+    return _hash(_fingerprint_payload(recipe, target, num_samples))
+
+
+def _fingerprint_payload(recipe, target, num_samples: int) -> dict:
     from draftkit.distill.regenerate import engine_of
 
     d = asdict(recipe.data)
@@ -60,16 +64,32 @@ def data_fingerprint(recipe, target, num_samples: int) -> str:
         d.pop(key, None)
     d["responses"].pop("batch_size")
     d["responses"].pop("vllm")  # how fast (tensor parallel, memory), not what
-    d["responses"]["engine"] = engine_of(recipe.data.responses)  # the engine used, never "auto"
+    d["responses"]["engine"] = engine_of(recipe.data.responses, target.config)  # the engine used, never "auto"
     if not recipe.data.sources and d["responses"]["engine"] == "vllm":
         d["synthesize"]["engine"] = "vllm"  # Magpie prompts sampled by vLLM (hf keys stay as they were)
     # The dtype the target answers in: bf16 and fp32 responses differ (the target fingerprint rounds to
     # bf16 on purpose, so it does not tell them apart; the response cache's key carries it too).
     payload_dtype = str(getattr(target, "dtype", None)).removeprefix("torch.")
-    payload = {"data": d, "target": f"{target.name}:{target.fingerprint}", "seed": recipe.train.seed,
-               "num_samples": num_samples, "dtype": payload_dtype, "sources": [_stamp(s.path) for s in recipe.data.sources],
-               "chat_template": getattr(target.tokenizer, "chat_template", None)}
+    return {"data": d, "target": f"{target.name}:{target.fingerprint}", "seed": recipe.train.seed,
+            "num_samples": num_samples, "dtype": payload_dtype, "sources": [_stamp(s.path) for s in recipe.data.sources],
+            "chat_template": getattr(target.tokenizer, "chat_template", None)}
+
+
+def _hash(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def earlier_fingerprints(recipe, target, num_samples: int) -> list[tuple[str, str]]:
+    """(fingerprint, why) under which earlier draftkit versions stored these settings' data, when it
+    differed. One so far: before 1033e17 (2026-12-01) Magpie prompts were sampled by HF whatever
+    data.responses.engine said, and the key had no data.synthesize.engine; since, engine vllm with
+    no data.sources samples them with vLLM and the key says so. A run trained then (recipe.json:
+    engine vllm, sources []) has its data under the old key, which no newer run writes."""
+    payload = _fingerprint_payload(recipe, target, num_samples)
+    if payload["data"]["synthesize"].pop("engine", None) is None:
+        return []
+    return [(_hash(payload), "the key draftkit used before 1033e17, when Magpie prompts were sampled by HF "
+                             "even with data.responses.engine vllm")]
 
 
 def _stamp(path: str) -> list:
@@ -134,6 +154,26 @@ def finished(recipe, target, num_samples: int) -> Path | None:
     return None if issues else out
 
 
+def trained_on(recipe, target, num_samples: int) -> Path | None:
+    """The finished prepared directory a run with this recipe (its recipe.json) trained on: finished(),
+    else one under a key an earlier draftkit gave the same settings (earlier_fingerprints; logged
+    with why). For reading a finished run's data (its held-aside prompts), never for preparing: a new
+    run under today's key makes today's data."""
+    out = finished(recipe, target, num_samples)
+    if out is not None or recipe.data.prepared_dir:
+        return out
+    for fp, why in earlier_fingerprints(recipe, target, num_samples):
+        old = prepared_dir(recipe, fp)
+        try:
+            manifest = read_manifest(old)
+            if manifest is not None and not problems(old, manifest, fp):
+                log.info("prepared data found in %s under %s", old, why)
+                return old
+        except ShardError:
+            continue
+    return None
+
+
 def data_context(recipe, target, dist):
     """The DataContext of this run's stage 1: the target, the recipe's data section and seed, the
     shared response cache, this rank's share (distill/context.py)."""
@@ -149,18 +189,38 @@ def data_context(recipe, target, dist):
                        fmt=resolve_format(d.format, target.tokenizer, target.name),  # chat, or text (completion)
                        seed=recipe.train.seed, rank=dist.rank, world_size=dist.world_size, barrier=barrier,
                        progress=dist.is_main,
-                       model_dir=engine_model_dir(recipe.target) if engine_of(d.responses) == "vllm" else None)
+                       model_dir=engine_model_dir(recipe.target) if engine_of(d.responses, target.config) == "vllm"
+                       else None)
 
 
-def needs_decoder(recipe, features: bool = False) -> bool:
+def needs_decoder(recipe, features: bool = False, target=None) -> bool:
     """Whether this stage needs the HF target's decoder layers: to generate (data.responses.engine hf,
     mode regenerate) or to compute features (stage 2). vLLM answers and synthesizes with its own copy
     of the weights, and mode keep generates nothing: the tokenizer, chat template and a shell target
-    (load_target(transformer=False): embeddings, norm, lm_head) are all stage 1 reads then."""
+    (load_target(transformer=False): embeddings, norm, lm_head) are all stage 1 reads then. The
+    engine is judged on the target's config (engine_of: auto falls back to hf where vLLM cannot
+    serve it, vllm is refused there), read from `target` or, before it is loaded, from its files."""
     from draftkit.distill.regenerate import engine_of
 
     r = recipe.data.responses
-    return features or (r.mode == "regenerate" and engine_of(r) == "hf")
+    if features or r.mode != "regenerate":
+        return features
+    if r.engine == "hf":
+        return True
+    return engine_of(r, target.config if target is not None else target_config(recipe.target)) == "hf"
+
+
+def target_config(t):
+    """The HF config of the target as a serving engine loads it (engine_model_dir), without its weights."""
+    from transformers import AutoConfig
+
+    from draftkit.target import TargetError
+
+    src = engine_model_dir(t)
+    try:
+        return AutoConfig.from_pretrained(src, trust_remote_code=t.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"target.path: cannot read a model config from {src}: {e}") from e
 
 
 def engine_model_dir(t) -> str:
@@ -180,7 +240,7 @@ def _write(recipe, target, dist, num_samples: int, fp: str, out: Path) -> None:
     from draftkit.distill.samples import prepare_conversations
     from draftkit.train.distributed import barrier
 
-    if not target.has_transformer and needs_decoder(recipe):
+    if not target.has_transformer and needs_decoder(recipe, target=target):
         raise ShardError(f"{out}: stage 1 is unfinished and target {target.name} was loaded without its "
                          "transformer, which cannot generate responses; load the full target")
     d = recipe.data

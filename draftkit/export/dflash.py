@@ -30,6 +30,7 @@ import torch
 from draftkit.export.layout import Context, ExportError, Layout, Shapes, refuse_target, register
 from draftkit.export.llama_drafts import (GEMMA_EMBEDDING, GEMMA_TYPES, d2t_to_t2d, llama_config_in,
                                           llama_config_out, llama_layer_shapes)
+from draftkit.export.speculators import layer_config, speculators_config
 
 NAMES = (("fc.", "fc."), ("hidden_norm.", "hidden_norm."), ("layers.{i}.", "layers.{i}."), ("norm.", "norm."),
          ("lm_head.", "lm_head."), ("d2t", "d2t"), ("mask_embedding", "mask_embedding"))
@@ -105,9 +106,18 @@ def config_in(c: dict, ctx: Context) -> dict:
     for key in ("mask_token_id", "target_layer_ids"):
         if dc.get(key) is None:
             raise ExportError(f"config.json: dflash_config.{key} is missing")
-    V, N = c["vocab_size"], c.get("draft_vocab_size") or c["vocab_size"]
-    return {**llama_config_in(c), "num_layers": c["num_hidden_layers"], "block_size": c.get("block_size", 16),
-            "mask_token_id": dc["mask_token_id"], "feature_layers": [i + 1 for i in dc["target_layer_ids"]],
+    return native_fields(c, c.get("block_size", 16), dc["mask_token_id"], [i + 1 for i in dc["target_layer_ids"]],
+                         c.get("draft_vocab_size"))
+
+
+def native_fields(layer: dict, block_size: int, mask_token_id: int, feature_layers: list[int],
+                  draft_vocab_size: int | None) -> dict:
+    """The native DFlash config of a draft, from its Qwen3 layer config and the DFlash fields (ids in
+    draftkit's convention): both layouts' config_in. draft_vocab_size equal to the vocabulary = none."""
+    V = layer["vocab_size"]
+    N = draft_vocab_size or V
+    return {**llama_config_in(layer), "num_layers": layer["num_hidden_layers"], "block_size": block_size,
+            "mask_token_id": mask_token_id, "feature_layers": list(feature_layers),
             "draft_vocab_size": N if N != V else None}
 
 
@@ -162,15 +172,8 @@ SPEC_MASK = ("speculators' DFlashDraftModel embeds the mask slots with the verif
              "mask_token_id and has no separate mask vector")
 
 
-def speculators_layer_config(c: dict) -> dict:
-    tl = c.get("transformer_layer_config")
-    if not isinstance(tl, dict):
-        raise ExportError("config.json: speculators config without a transformer_layer_config mapping")
-    return tl
-
-
 def speculators_shapes(c: dict) -> Shapes:
-    flat = {**speculators_layer_config(c), "draft_vocab_size": c.get("draft_vocab_size"),
+    flat = {**layer_config(c), "draft_vocab_size": c.get("draft_vocab_size"),
             "dflash_config": {"target_layer_ids": c.get("aux_hidden_state_layer_ids")}}
     s = dflash_shapes(flat)
     if "d2t" in s:
@@ -180,17 +183,10 @@ def speculators_shapes(c: dict) -> Shapes:
 
 def speculators_config_out(n: dict, ctx: Context) -> dict:
     flat = config_out(n, ctx)
-    t = n.get("target") or {}
     keep = ("architectures", "block_size", "dflash_config", "num_target_layers", MASK_IN_WEIGHTS, "draft_vocab_size")
     return {
         "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": n["block_size"] - 1}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": (ctx.verifier or {}).get("name_or_path") or t.get("name"),
-                         "architectures": [t["architecture"]] if t.get("architecture") else []},
-        },
+        "speculators_config": speculators_config("dflash", n["block_size"] - 1, n, ctx),
         "transformer_layer_config": {k: v for k, v in flat.items() if k not in keep},
         "draft_vocab_size": n.get("draft_vocab_size") or n["vocab_size"], "block_size": n["block_size"],
         "aux_hidden_state_layer_ids": list(n["feature_layers"]), "mask_token_id": n["mask_token_id"],
@@ -204,17 +200,15 @@ def speculators_config_in(c: dict, ctx: Context) -> dict:
     if c.get("sample_from_anchor"):
         raise ExportError("config.json: sample_from_anchor true (the anchor slot drafts too); draftkit's "
                           "DFlash drafts from the mask slots only")
-    tl = speculators_layer_config(c)
+    tl = layer_config(c)
     if c.get("target_hidden_size") not in (None, tl["hidden_size"]) or "sliding_attention" in (tl.get("layer_types") or ()):
         raise ExportError("config.json: target_hidden_size differs from hidden_size, or sliding draft layers: "
                           "not draftkit's DFlash")
     for key in ("aux_hidden_state_layer_ids", "mask_token_id"):
         if c.get(key) is None:
             raise ExportError(f"config.json: {key} is missing")
-    V, N = tl["vocab_size"], c.get("draft_vocab_size") or tl["vocab_size"]
-    return {**llama_config_in(tl), "num_layers": tl["num_hidden_layers"], "block_size": c.get("block_size", 8),
-            "mask_token_id": c["mask_token_id"], "feature_layers": list(c["aux_hidden_state_layer_ids"]),
-            "draft_vocab_size": N if N != V else None, "train_mask_embedding": False}
+    return {**native_fields(tl, c.get("block_size", 8), c["mask_token_id"], c["aux_hidden_state_layer_ids"],
+                            c.get("draft_vocab_size")), "train_mask_embedding": False}
 
 
 def speculators_tensors_out(state: dict, ctx: Context) -> dict:

@@ -33,6 +33,15 @@ class ExportError(ValueError):
     """An export or import that would not load faithfully; the message names the tensor or field."""
 
 
+class TargetNeeded(ExportError):
+    """A layout needs the target (a tensor it shares with the head) and none was given: `why` says
+    what for. `draftkit inspect` then takes the given or the recorded target (export/cli_inspect.py)."""
+
+    def __init__(self, why: str):
+        super().__init__(f"{why}: pass --target MODEL (the target the head was trained against)")
+        self.why = why
+
+
 @dataclass
 class Context:
     """What a layout may need beyond the head: the target (for shared tensors) and the native config."""
@@ -51,7 +60,7 @@ class Context:
         if self.target is None and self.verifier is not None:
             self.target = recorded_target(self.verifier, why)
         if self.target is None:
-            raise ExportError(f"{why}: pass --target MODEL (the target the head was trained against)")
+            raise TargetNeeded(why)
         return self.target
 
 

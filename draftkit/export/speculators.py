@@ -31,15 +31,30 @@ SPEC_NAMES = (("fc.", "fc."), ("midlayer.", "layers.0."), ("norm.", "norm."), ("
               ("d2t", "d2t"), ("t2d", "t2d"))
 
 
-def _layer_config(c: dict) -> dict:
+def layer_config(c: dict) -> dict:
+    """The draft's transformer_layer_config (every speculators algorithm nests the draft's layer config there)."""
     tl = c.get("transformer_layer_config")
     if not isinstance(tl, dict):
         raise ExportError("config.json: speculators config without a transformer_layer_config mapping")
     return tl
 
 
+def speculators_config(algorithm: str, speculative_tokens: int, n: dict, ctx: Context) -> dict:
+    """The `speculators_config` block of every speculators algorithm: one greedy proposal method of
+    `speculative_tokens` drafts, and the verifier, the exact model the head was trained against as
+    an engine resolves it (export/verifier.py; else the target's recorded name)."""
+    t = n.get("target") or {}
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": (ctx.verifier or {}).get("name_or_path") or t.get("name"),
+                     "architectures": [t["architecture"]] if t.get("architecture") else []},
+    }
+
+
 def _eagle3_shapes(c: dict) -> Shapes:
-    tl = _layer_config(c)
+    tl = layer_config(c)
     flat = {**tl, "draft_vocab_size": c.get("draft_vocab_size"), "num_hidden_layers": tl.get("num_hidden_layers", 1)}
     if c.get("target_hidden_size"):
         flat["target_hidden_size"] = c["target_hidden_size"]
@@ -49,20 +64,12 @@ def _eagle3_shapes(c: dict) -> Shapes:
 
 def _eagle3_out(n: dict, ctx: Context) -> dict:
     flat = eagle3_config_out(n, "LlamaForCausalLMEagle3")
-    t = n.get("target") or {}
     layer = {k: v for k, v in flat.items() if k not in ("architectures", "draft_vocab_size", "norm_before_residual",
                                                          "eagle_aux_hidden_state_layer_ids", "rope_scaling")}
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS}],
-            "default_proposal_method": "greedy",
-            # the exact model the head was trained against, as an engine resolves it (export/verifier.py)
-            "verifier": {"name_or_path": (ctx.verifier or {}).get("name_or_path") or t.get("name"),
-                         "architectures": [t["architecture"]] if t.get("architecture") else []},
-        },
+        "speculators_config": speculators_config("eagle3", SPECULATIVE_TOKENS, n, ctx),
         "transformer_layer_config": layer,
         "draft_vocab_size": n["draft_vocab_size"],
         "norm_before_residual": False,
@@ -73,10 +80,10 @@ def _eagle3_out(n: dict, ctx: Context) -> dict:
 def _eagle3_in(c: dict, ctx: Context) -> dict:
     if c.get("speculators_model_type") != "eagle3":
         raise ExportError(f"config.json: speculators_model_type {c.get('speculators_model_type')!r} is not 'eagle3'")
-    if c.get("target_hidden_size") not in (None, _layer_config(c)["hidden_size"]):
+    if c.get("target_hidden_size") not in (None, layer_config(c)["hidden_size"]):
         raise ExportError("config.json: target_hidden_size differs from the draft's hidden size; draftkit's "
                           "EAGLE-3 head has the target's width")
-    flat = {**_layer_config(c), "draft_vocab_size": c.get("draft_vocab_size"),
+    flat = {**layer_config(c), "draft_vocab_size": c.get("draft_vocab_size"),
             "norm_before_residual": c.get("norm_before_residual", True)}
     return eagle3_config_in(flat, ctx, c.get("eagle_aux_hidden_state_layer_ids"))
 
@@ -84,7 +91,7 @@ def _eagle3_in(c: dict, ctx: Context) -> dict:
 register(Layout(
     format="speculators", family="eagle3", source="speculators src/speculators/models/eagle3/{config,core}.py",
     names=SPEC_NAMES, config_out=_eagle3_out, config_in=_eagle3_in, expected=_eagle3_shapes,
-    optional=lambda c: {"embed_tokens.weight": (_layer_config(c)["vocab_size"], _layer_config(c)["hidden_size"])},
+    optional=lambda c: {"embed_tokens.weight": (layer_config(c)["vocab_size"], layer_config(c)["hidden_size"])},
     tensors_out=eagle3_tensors_out, tensors_in=eagle3_tensors_in, layer_convention=VLLM_LAYERS,
     d2t_convention="offset: target_id = draft_id + d2t[draft_id] (speculators DraftVocabMixin, vLLM llama_eagle3.py)"))
 refuse_target("speculators", ("eagle3",), GEMMA_TYPES,
