@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftkit.engines.vllm import EngineRequest, EngineRun, Sampling, engine_figures, serve, speculative_config
-from draftkit.export.serving import ENGINE_DRAFT_KEY, sglang_record
+from draftkit.export.serving import ENGINE_DRAFT_KEY, sglang_from_calibration, sglang_summary
 from draftkit.inference.cost import PAYS
 
 ENGINE_DRAFT_FILE = "engine_draft.json"
@@ -153,7 +153,7 @@ def vllm_record(family: str, measured: dict, s: SweepSettings, n_prompts: int) -
 def loop_sglang(target, head, family: str, prompts: list[list[int]], s: SweepSettings,
                 budget_s: float | None) -> dict | None:
     """engine_draft.sglang: draftkit's loop calibration (auto_draft) on the same prompts, the best
-    SGLang-valid tree in its ranking (export/serving.py: sglang_record); None when SGLang has no
+    SGLang-valid tree in its ranking (export/serving.py: sglang_from_calibration); None when SGLang has no
     drafter for the family."""
     from draftkit.export.serving import SGLANG_ALGORITHM
     from draftkit.inference.cost import auto_draft
@@ -162,9 +162,7 @@ def loop_sglang(target, head, family: str, prompts: list[list[int]], s: SweepSet
         return None
     _, cal = auto_draft(target, head, prompts, temperatures=s.temperatures, top_k=s.top_k, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, budget_s=budget_s, seed=s.seed, progress=True)
-    about = {**setup_about(s, len(next(iter(cal.traces.values())))), "dtype": str(target.dtype).replace("torch.", ""),
-             "batch_size": 1, "warnings": list(cal.warnings)}
-    return sglang_record(cal.rows, family, s.margin, about)
+    return sglang_from_calibration(cal, family, target, s.margin, s.max_new_tokens)
 
 
 def engine_auto(target, export: Path, contract: dict, model_dir: str, prompts: list[list[int]], s: SweepSettings,
@@ -195,12 +193,8 @@ def format_sweep(engine_draft: dict) -> str:
                  f"plain, margin {v['margin']}x)" if v["choice"] == "chain" else
                  f"engine draft auto: vLLM should serve plain decoding: no chain beat vLLM plain by {v['margin']}x "
                  f"(best k={v['best']['k']}: {v['best']['speedup']:.2f}x)")
-    sg = engine_draft.get("sglang")
-    if sg:
-        lines.append("engine draft auto: SGLang (" + ("plain: no SGLang-valid tree predicted to pay" if sg["choice"] ==
-                     "plain" else f"tree topk {sg['speculative_eagle_topk']} steps {sg['speculative_num_steps']} draft "
-                     f"tokens {sg['speculative_num_draft_tokens']}, predicted {sg['predicted_speedup']}x") +
-                     ") measured in draftkit's loop, not engine-measured")
+    if engine_draft.get("sglang"):
+        lines.append(sglang_summary(engine_draft["sglang"]))
     return "\n".join(lines)
 
 

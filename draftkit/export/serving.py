@@ -70,6 +70,31 @@ def sglang_record(rows: list[dict], family: str, pays: float, about: dict) -> di
             "predicted_speedup": round(best["speedup"], 4), "by_temperature": best["by_temperature"]}
 
 
+def sglang_from_calibration(cal, family: str, target, margin: float, max_new_tokens: int) -> dict | None:
+    """engine_draft.sglang from a loop calibration (inference/cost.py auto_draft's Calibration: its
+    ranked rows, temperatures, traces, warnings), with what it was measured on: `draftkit eval
+    --draft auto` (cli_eval.py) and `--engine vllm --draft auto` (engines/vllm_auto.py) both record
+    it so. None for a family SGLang does not serve."""
+    import platform
+    import time
+
+    from draftkit.target import cpu_flags
+
+    about = {"temperatures": [float(t) for t in cal.costs], "dtype": str(target.dtype).replace("torch.", ""),
+             "batch_size": 1, "prompts": len(next(iter(cal.traces.values()))), "max_new_tokens": max_new_tokens,
+             "cpu_flags": cpu_flags(), "machine": platform.processor() or platform.machine(),
+             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "warnings": list(cal.warnings)}
+    return sglang_record(cal.rows, family, margin, about)
+
+
+def sglang_summary(rec: dict) -> str:
+    """engine_draft.sglang in one terminal line (eval prints it when it records one)."""
+    what = ("plain: no SGLang-valid tree predicted to pay" if rec["choice"] == "plain" else
+            f"tree topk {rec['speculative_eagle_topk']} steps {rec['speculative_num_steps']} draft tokens "
+            f"{rec['speculative_num_draft_tokens']}, predicted {rec['predicted_speedup']}x")
+    return f"engine draft auto: SGLang ({what}) measured in draftkit's loop, not engine-measured"
+
+
 # ---- inspect -----------------------------------------------------------------------------------------
 
 def serving_lines(contract: dict, directory: str | None = None) -> list[str]:

@@ -11,7 +11,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from draftkit.inference.cost import SearchSpace, auto_draft, format_choice
+from draftkit.inference.cost import Calibration, SearchSpace, auto_draft, format_choice
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import EvalPrompt, EvalSettings, _prepare
 
@@ -44,11 +44,13 @@ def calibration_prompts(items: list[dict], n: int, skip: set | None = None) -> l
 
 
 def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n: int,
-              budget_s: float | None = None, progress: bool = True, space: SearchSpace | None = None) -> DraftSettings:
+              budget_s: float | None = None, progress: bool = True,
+              space: SearchSpace | None = None) -> tuple[DraftSettings, Calibration]:
     """--draft auto on a head without a `draft:` section (or --draft calibrate): measure on n
     prompts spread over the list at settings' temperatures, choose the draft shape within the
     head's limits and `space` (the fields the user fixed: only shapes with them are measured, so
-    the printed prediction is the returned shape's), print it with its prediction, and return it.
+    the printed prediction is the returned shape's), print it with its prediction, and return it with
+    the Calibration it came from (its ranked rows give SGLang's tree: export/serving.py).
     A failure (a bad head, a setting the head cannot draft) is raised as a SpecError naming
     calibration, for eval's error path."""
     from draftkit.heads.base import HeadError
@@ -59,11 +61,11 @@ def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n
         calib = calibration_prompts(items, n)
         if not calib:
             raise SpecError("calibration: no prompt fits the context")
-        chosen, _ = auto_draft(target, head, calib, settings.draft, temperatures=settings.temperatures,
+        chosen, cal = auto_draft(target, head, calib, settings.draft, temperatures=settings.temperatures,
                                top_k=settings.top_k, top_p=settings.top_p,
                                max_new_tokens=min(MAX_CALIBRATION_TOKENS, settings.max_new_tokens),
                                budget_s=budget_s, seed=settings.seed, progress=progress, space=space)
     except HeadError as e:
         raise SpecError(f"calibration: {e}") from e
     print(format_choice(chosen), file=sys.stderr, flush=True)
-    return replace(chosen, measured={**chosen.measured, "calibration_prompts": len(calib)})
+    return replace(chosen, measured={**chosen.measured, "calibration_prompts": len(calib)}), cal

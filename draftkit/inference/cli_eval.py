@@ -19,6 +19,11 @@ Where the draft shape comes from (first that applies; `report.json` names it as 
 Eval never writes into the head directory unless --save-draft asks (a read-only hub snapshot
 works). A measured choice goes to --out/draft.json: the shape *draftkit's own loop* runs fastest
 on this machine, not the shape an engine should serve (that is the export contract's business).
+Beside it, a measurement with nothing fixed records `engine_draft.sglang` (export/serving.py:
+sglang_from_calibration): the best SGLang-valid tree of the same calibration's ranking, under
+SGLang's rule, labelled not engine-measured; --save-draft writes it into the head's config.json
+too (keeping a vLLM choice there), so `draftkit export` carries it and `draftkit inspect` prints
+its SGLang flags.
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from draftkit.inference.calibrate import add_arguments as add_calibration_arguments, calibrate
-from draftkit.inference.cost import FIXABLE, SearchSpace
+from draftkit.inference.calibrate import MAX_CALIBRATION_TOKENS, add_arguments as add_calibration_arguments, calibrate
+from draftkit.export.serving import ENGINE_DRAFT_KEY, sglang_from_calibration, sglang_summary
+from draftkit.inference.cost import FIXABLE, PAYS, SearchSpace
 from draftkit.inference.errors import SpecError
 from draftkit.inference.typical import ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_EPSILON, check_acceptance
 from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
@@ -221,12 +227,23 @@ def read_draft_file(path: str | Path) -> dict:
     return {**record, "path": str(p)}
 
 
-def draft_record(draft: DraftSettings, head_dir: Path, target) -> dict:
-    """What draft.json holds: the choice and what it was measured for."""
-    return {"about": DRAFT_FILE_ABOUT, "draft": draft.to_dict(), "head_dir": str(Path(head_dir).resolve()),
-            "target": {"name": target.name, "fingerprint": target.fingerprint},
-            "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
-            "threads": torch.get_num_threads()}
+def draft_record(draft: DraftSettings, head_dir: Path, target, sglang: dict | None = None) -> dict:
+    """What draft.json holds: the choice and what it was measured for (and SGLang's tree from the
+    same calibration, when recorded)."""
+    rec = {"about": DRAFT_FILE_ABOUT, "draft": draft.to_dict(), "head_dir": str(Path(head_dir).resolve()),
+           "target": {"name": target.name, "fingerprint": target.fingerprint},
+           "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
+           "threads": torch.get_num_threads()}
+    return {**rec, ENGINE_DRAFT_KEY: {"sglang": sglang}} if sglang else rec
+
+
+def loop_sglang(cal, head, target, settings: EvalSettings, space: SearchSpace) -> dict | None:
+    """engine_draft.sglang from this eval's calibration: only when nothing was fixed (a narrowed
+    search ranks only some trees), and only for a family SGLang serves (else None)."""
+    if not space.any_mode:
+        return None
+    return sglang_from_calibration(cal, head.family, target, PAYS,
+                                   min(MAX_CALIBRATION_TOKENS, settings.max_new_tokens))
 
 
 def same_setup(record: dict, head_dir: Path, target) -> bool:
@@ -280,13 +297,16 @@ def decide_draft(args, head, head_dir, head_cfg, target) -> tuple[DraftSettings,
     return draft, source, measure
 
 
-def write_head_draft(head_dir: Path, draft: DraftSettings, out: Path) -> Path:
-    """--save-draft: set `draft:` in the head's config.json, atomically (a crash leaves the old file)."""
+def write_head_draft(head_dir: Path, draft: DraftSettings, out: Path, sglang: dict | None = None) -> Path:
+    """--save-draft: set `draft:` in the head's config.json (and engine_draft.sglang when this eval
+    measured one, beside any vLLM choice there), atomically (a crash leaves the old file)."""
     from draftkit.inference.report import atomic_write
 
     path = Path(head_dir) / "config.json"
     cfg = json.loads(path.read_text())
     cfg["draft"] = draft.to_dict()
+    if sglang:
+        cfg[ENGINE_DRAFT_KEY] = {**(cfg.get(ENGINE_DRAFT_KEY) or {}), "sglang": sglang}
     try:
         return atomic_write(path, json.dumps(cfg, indent=2, default=str))
     except OSError as e:
@@ -343,7 +363,7 @@ def run(args) -> int:
     if getattr(args, "engine", "draftkit") == "vllm":
         from draftkit.engines.vllm_eval import run_cli
         return run_cli(args)
-    out = Path(args.out)
+    out, sglang = Path(args.out), None
     try:
         target, head, head_dir, head_cfg, prompts = load_everything(args)
         draft, source, measure = decide_draft(args, head, head_dir, head_cfg, target)
@@ -354,16 +374,23 @@ def run(args) -> int:
             seed=args.seed, acceptance=args.acceptance, typical_epsilon=args.typical_epsilon,
             typical_delta=args.typical_delta, raise_errors=False, progress=True)
         if measure:
-            draft = calibrate(target, head, prompts, settings, args.calibration_prompts, args.calibration_budget,
-                              space=search_space(args))
+            space = search_space(args)
+            draft, cal = calibrate(target, head, prompts, settings, args.calibration_prompts, args.calibration_budget,
+                                   space=space)
             settings, source = replace(settings, draft=draft), f"measured now (written to {out / DRAFT_FILE})"
+            sglang = loop_sglang(cal, head, target, settings, space)
+            if sglang:
+                print(sglang_summary(sglang), file=sys.stderr)
             out.mkdir(parents=True, exist_ok=True)
-            atomic_write(out / DRAFT_FILE, json.dumps(draft_record(draft, head_dir, target), indent=2, default=str))
+            atomic_write(out / DRAFT_FILE, json.dumps(draft_record(draft, head_dir, target, sglang), indent=2,
+                                                      default=str))
         print(f"draft: {draft.describe() if head is not None else 'lookup'} (from {source})", file=sys.stderr)
         if args.save_draft:
             if head is None:
                 raise SpecError("--save-draft needs --head")
-            print(f"wrote the draft shape to {write_head_draft(head_dir, draft, out)} (draft:)", file=sys.stderr)
+            path = write_head_draft(head_dir, draft, out, sglang)
+            print(f"wrote the draft shape to {path} (draft:{' and engine_draft.sglang' if sglang else ''})",
+                  file=sys.stderr)
     except (SpecError, HeadError, TargetError, DraftSettingsError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
@@ -373,7 +400,7 @@ def run(args) -> int:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
     report.update(head_dir=str(head_dir) if head_dir else None, prompt_files=args.prompts, draft_source=source,
-                  dtype_choice=target.dtype_choice)
+                  dtype_choice=target.dtype_choice, **({ENGINE_DRAFT_KEY: {"sglang": sglang}} if sglang else {}))
     paths = write_report(report, out)
     print(format_table(report))
     if not report["lossless"]:
