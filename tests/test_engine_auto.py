@@ -124,3 +124,13 @@ def test_sglang_record_takes_the_first_tree_sglang_serves_as_drafted():
     plain = sglang_record(rows, "eagle", 1.35, {})
     assert (plain["choice"], plain["best_tree"], plain["predicted_speedup"]) == ("plain", "tree 4x2 b6", 1.3)
     assert sglang_record(rows, "medusa", PAYS, {}) is None  # SGLang has no Medusa drafter
+
+
+@pytest.mark.parametrize("temperatures, fix", [((0.0,), False), ((0.0, 1.0), True)])
+def test_the_engine_sweep_at_t_gt_0_serves_with_vllm_cpus_sampler_corrected(temperatures, fix, tmp_path):
+    """vLLM CPU 0.32.0 applies an uninitialised temperature at T > 0 (vllm_worker.fix_cpu_rejection_sampler):
+    a sweep that times chains at T > 0 must ask the worker for the correction, as engine_eval does."""
+    from draftkit.engines.vllm_auto import SweepSettings, sweep_request
+
+    req = sweep_request("m", [[1, 2]], tmp_path, "eagle", [1, 3], SweepSettings(temperatures=temperatures), [2])
+    assert req.to_json()["cpu_sampler_fix"] is fix

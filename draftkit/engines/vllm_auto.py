@@ -80,7 +80,8 @@ def sweep_request(model_dir: str, prompts: list[list[int]], export: Path, family
     runs = [run("warmup", 0.0, s.warmup_tokens)] + [run(f"T={t:g}", t, s.max_new_tokens) for t in s.temperatures]
     engines = [{"name": "plain"}] + [{"name": f"k={k}", "speculative_config": speculative_config(family, k, export)}
                                      for k in ks]
-    return EngineRequest(model_dir, prompts, runs, dtype=s.dtype, seed=s.seed, engines=engines)
+    return EngineRequest(model_dir, prompts, runs, dtype=s.dtype, seed=s.seed, engines=engines,
+                         cpu_sampler_fix=any(t > 0 for t in s.temperatures))  # vLLM CPU's T > 0 defect
 
 
 def sweep(model_dir: str, prompts: list[list[int]], export: Path, family: str, ks: list[int], s: SweepSettings,
