@@ -283,10 +283,10 @@ def main() -> int:
                 print(f"  {op['op']:<48} {op['self_cpu_ms']:>10.1f} ms {op['calls']:>7} calls")
     out = {"cpu_flags": flags, "args": {k: str(v) for k, v in vars(args).items()}, "notes": notes,
            "num_prompts": len(ids), "methods": summaries}
+    from draftkit.inference.report import atomic_write
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    os.replace(tmp, args.out)
+    atomic_write(args.out, json.dumps(out, indent=2))
     print(f"wrote {args.out}")
     return 0
 

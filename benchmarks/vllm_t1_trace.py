@@ -283,10 +283,10 @@ def main() -> int:
     for name, lf in result.get("loop_eagle", {}).items():
         print(f"our loop, eagle, {name}: drafts {lf['drafts']}, alpha_1 {lf['alpha'][0]:.3f}, "
               f"accepted per position {lf['accepted_per_pos']}")
+    from draftkit.inference.report import atomic_write
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, args.out)
+    atomic_write(args.out, json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0
 
