@@ -113,10 +113,10 @@ def main() -> None:
     settings = {k: getattr(args, k) for k in ("length", "batch", "vocab", "hidden", "intermediate", "heads",
                                               "kv_heads", "threads")}
     result = {"settings": settings, "command": " ".join([Path(sys.executable).name, *sys.argv]), "rows": rows}
+    from draftkit.inference.report import atomic_write
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
+    atomic_write(args.out, json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -160,9 +160,9 @@ def main() -> None:
             "reference": "bf16+final", "llama3_8b": {"hidden_size": 4096, "layers": list(LLAMA3_8B["layers"]),
                                                      "reference_bytes_per_token": big_ref},
             "threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    tmp.replace(out)  # atomic
+    from draftkit.inference.report import atomic_write
+
+    atomic_write(out, json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

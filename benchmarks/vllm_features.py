@@ -229,10 +229,10 @@ def main() -> None:
         ids = [chat_ids(stok, p.messages, True) for p in ps]
         result["timing_smollm2"] = timing(python, ids, [2, 15, 27, 30], args.dtype, work / "timing", working)
         print("timing", json.dumps(result["timing_smollm2"])[:2000])
+    from draftkit.inference.report import atomic_write
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
+    atomic_write(args.out, json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
