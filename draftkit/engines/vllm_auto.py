@@ -26,14 +26,12 @@ dtype and device) before measuring again; --draft calibrate always measures.
 from __future__ import annotations
 
 import json
-import platform
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftkit.engines.vllm import EngineRequest, EngineRun, Sampling, engine_figures, serve, speculative_config
-from draftkit.export.serving import ENGINE_DRAFT_KEY, sglang_from_calibration, sglang_summary
+from draftkit.export.serving import ENGINE_DRAFT_KEY, measured_on, sglang_from_calibration, sglang_summary
 from draftkit.inference.cost import PAYS
 
 ENGINE_DRAFT_FILE = "engine_draft.json"
@@ -115,12 +113,8 @@ def choose_chain(rows: list[dict], margin: float) -> dict | None:
 
 
 def setup_about(s: SweepSettings, n_prompts: int) -> dict:
-    """What a choice was measured on, recorded beside it."""
-    from draftkit.target import cpu_flags
-
-    return {"temperatures": list(s.temperatures), "dtype": s.dtype, "batch_size": s.batch_size, "prompts": n_prompts,
-            "max_new_tokens": s.max_new_tokens, "cpu_flags": cpu_flags(), "machine": platform.processor() or
-            platform.machine(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    """What a choice was measured on, recorded beside it (export/serving.py: measured_on)."""
+    return measured_on(list(s.temperatures), s.dtype, s.batch_size, n_prompts, s.max_new_tokens)
 
 
 def vllm_record(family: str, measured: dict, s: SweepSettings, n_prompts: int) -> dict:

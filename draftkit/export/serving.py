@@ -75,16 +75,22 @@ def sglang_from_calibration(cal, family: str, target, margin: float, max_new_tok
     ranked rows, temperatures, traces, warnings), with what it was measured on: `draftkit eval
     --draft auto` (cli_eval.py) and `--engine vllm --draft auto` (engines/vllm_auto.py) both record
     it so. None for a family SGLang does not serve."""
+    about = {**measured_on([float(t) for t in cal.costs], str(target.dtype).replace("torch.", ""), 1,
+                           len(next(iter(cal.traces.values()))), max_new_tokens), "warnings": list(cal.warnings)}
+    return sglang_record(cal.rows, family, margin, about)
+
+
+def measured_on(temperatures: list, dtype: str, batch_size: int, prompts: int, max_new_tokens: int) -> dict:
+    """What an engine_draft choice was measured on (settings, CPU flags, machine, UTC time), recorded beside it."""
     import platform
     import time
 
     from draftkit.target import cpu_flags
 
-    about = {"temperatures": [float(t) for t in cal.costs], "dtype": str(target.dtype).replace("torch.", ""),
-             "batch_size": 1, "prompts": len(next(iter(cal.traces.values()))), "max_new_tokens": max_new_tokens,
-             "cpu_flags": cpu_flags(), "machine": platform.processor() or platform.machine(),
-             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "warnings": list(cal.warnings)}
-    return sglang_record(cal.rows, family, margin, about)
+    return {"temperatures": temperatures, "dtype": dtype, "batch_size": batch_size, "prompts": prompts,
+            "max_new_tokens": max_new_tokens, "cpu_flags": cpu_flags(),
+            "machine": platform.processor() or platform.machine(),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def sglang_summary(rec: dict) -> str:
