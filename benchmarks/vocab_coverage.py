@@ -13,6 +13,7 @@ the recipe's data.responses at T = 0 and --max-new-tokens, cached beside the tra
 tokenized as a training sample is (the response and its closing end-of-turn token). Per category and
 pooled: tokens, inside, inside_fraction (heads/vocab.coverage), beside the recipe's held-aside responses
 (the figure the trainer logs as heldout_in_draft_vocab) when the vocabulary comes from prepared data.
+--samples N chooses it from N of the training samples instead (evenly spaced: two data sets compared at equal size).
 acceptance_gap.py's outside_draft_vocab is 1 - inside_fraction of the draft loop's continuations (the
 same greedy tokens, up to bf16 batch numerics). Prints a table; --out writes JSON.
 """
@@ -58,8 +59,17 @@ def draft_vocab(args, recipe, target) -> tuple[torch.Tensor, str, object]:
         sys.exit(f"the recipe's prepared data is not in the cache: run `draftkit prepare {args.recipe} "
                  f"{' '.join(args.overrides)}` first, or pass --prepared DIR / --head DIR")
     data = load_prepared(out)
-    _, t2d = build_draft_vocab(size, target.vocab_size, counts=sample_counts(data.train, target.vocab_size))
-    return t2d, f"the {size} most frequent loss tokens of {out}", data
+    train = spread(data.train, args.samples)
+    _, t2d = build_draft_vocab(size, target.vocab_size, counts=sample_counts(train, target.vocab_size))
+    return t2d, f"the {size} most frequent loss tokens of {len(train)} training samples of {out}", data
+
+
+def spread(samples: list, n: int | None) -> list:
+    """n of the samples, evenly spaced (prepared samples are in prompt order, part after part of the
+    mixture: each part keeps its share), or all of them: mixtures compared at equal size."""
+    if n is None or n >= len(samples):
+        return samples
+    return [samples[i * len(samples) // n] for i in range(n)]
 
 
 def continuations(recipe, target, path: str, max_new_tokens: int) -> list:
@@ -105,6 +115,8 @@ def parse_args(argv):
     ap.add_argument("--head", help="measure this trained head's draft vocabulary instead of choosing one")
     ap.add_argument("--prepared", help="the prepared directory to choose the vocabulary from (default: the recipe's)")
     ap.add_argument("--size", type=int, help="vocabulary size (default: the recipe's head.draft_vocab_size)")
+    ap.add_argument("--samples", type=int, help="choose the vocabulary from this many training samples, evenly "
+                                                "spaced (default: all, as the trainer): data sets at equal size")
     ap.add_argument("--out", help="write the figures as JSON here")
     return ap.parse_args(argv)
 
