@@ -164,3 +164,12 @@ def test_the_trainers_figures_are_the_chosen_vocabularys_coverage(tiny_target):
     assert got == {"size": 3, "train_inside": 9 / 10, "heldout_inside": 3 / 5, "heldout_tokens": 5}
     plain = build_head({"type": "eagle"}, tiny_target)  # no draft vocabulary: nothing to report
     assert draft_vocab_coverage(plain, Prepared(train, held, [], {}), tiny_target.vocab_size) == {}
+
+
+def test_vocab_coverage_compares_data_sets_at_equal_size_by_evenly_spaced_samples():
+    """benchmarks/vocab_coverage.py --samples: a data set of two parts (6 + 4) gives 5 in the same shares."""
+    from benchmarks.vocab_coverage import spread
+
+    parts = ["plain"] * 6 + ["grounded"] * 4
+    assert spread(parts, 5) == ["plain"] * 3 + ["grounded"] * 2
+    assert spread(list(range(10)), 4) == [0, 2, 5, 7] and spread(parts, None) is parts and spread(parts, 99) is parts
