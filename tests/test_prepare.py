@@ -410,7 +410,8 @@ def test_the_trainer_reports_its_draft_vocabularys_coverage_of_the_held_aside_re
     assert said["heldout_tokens"] == want["tokens"] and f'"draft_vocab": {json.dumps(said)}' in res.stderr
     common = [str(ROOT / "recipes" / "quick.yaml"), *args, "--prompts", str(prompt_file), "--max-new-tokens", "8"]
     assert vocab_coverage([*common, "--out", str(tmp_path / "chosen.json")]) == 0
-    assert vocab_coverage([*common, "--head", str(tmp_path / "run" / "head"), "--out", str(tmp_path / "head.json")]) == 0
+    assert vocab_coverage([*common, "--head", str(tmp_path / "run" / "head"),
+                           "--out", str(tmp_path / "head.json")]) == 0
     chosen, trained = (json.loads((tmp_path / f).read_text())["groups"] for f in ("chosen.json", "head.json"))
     assert chosen.pop(HELD)["inside_fraction"] == want["inside_fraction"]
     assert chosen == trained and trained[POOLED]["tokens"] > 0
