@@ -76,6 +76,17 @@ class SynthesisSettings:
     # Shortest and longest prompt kept, in characters after stripping whitespace.
     min_chars: int = 16
     max_chars: int = 2000
+    # Share of the training prompts the target writes itself when data.sources is given (0 = none):
+    # a mixture of file prompts, synthesized ones and grounded tasks, data.sources taking what
+    # data.synthesize.fraction and data.grounded.fraction leave (1 - both). The held-aside prompts are
+    # split between sources and synthesized in the same proportion. With data.sources empty every
+    # prompt that is not grounded is synthesized and this stays 0. Not part of the prompt cache's key
+    # (it decides how many prompts are synthesized, not which).
+    fraction: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.fraction < 1.0:
+            raise ConfigError(f"data.synthesize.fraction: expected 0 <= fraction < 1, got {self.fraction}")
 
 
 @dataclass
@@ -183,7 +194,8 @@ class DataConfig:
     # fields), responses the target's continuations (draftkit/distill/text.py); "auto" = chat when
     # the target's tokenizer has a chat template, else text (and the log says so).
     format: Literal["auto", "chat", "text"] = "auto"
-    # Magpie-style synthesis settings, used when `sources` is empty.
+    # Magpie-style synthesis settings, used when `sources` is empty, or beside them for
+    # data.synthesize.fraction of the prompts (a mixture).
     synthesize: SynthesisSettings = field(default_factory=SynthesisSettings)
     # How the target regenerates responses (self-distillation).
     responses: GenerationSettings = field(default_factory=GenerationSettings)
@@ -211,6 +223,33 @@ class DataConfig:
     prepared_dir: str | None = None
     # Conversations per prepared shard (the unit ranks split the tokenising and writing by).
     shard_size: int = 2000
+
+    def __post_init__(self):
+        synth, grounded = self.synthesize.fraction, self.grounded.fraction
+        if synth and not self.sources:
+            raise ConfigError(f"data.synthesize.fraction: {synth} mixes synthesized prompts into data.sources, "
+                              "which is empty (then every prompt that is not grounded is synthesized): add "
+                              "data.sources or set it to 0")
+        if synth and synth + grounded >= 1.0:
+            raise ConfigError(f"data.synthesize.fraction: {synth} + data.grounded.fraction {grounded} leave no "
+                              "share for data.sources; expected a sum below 1")
+        if synth and self.responses.mode == "keep":
+            raise ConfigError(f"data.synthesize.fraction: {synth} synthesized prompts have no reply to keep "
+                              "(data.responses.mode: keep); set it to 0 or use mode: regenerate")
+
+
+# Settings added after data was prepared and runs were trained under keys that did not have them: at
+# these defaults they are left out of Recipe.fingerprint and of the prepared data's key
+# (distill/prepare.py), so that those keys, and the data and checkpoints stored under them, stay valid.
+LATER_DEFAULTS = {("synthesize", "fraction"): 0.0}
+
+
+def without_later_defaults(data: dict) -> dict:
+    """asdict(DataConfig) less the LATER_DEFAULTS settings that are at their default (in place)."""
+    for (section, key), default in LATER_DEFAULTS.items():
+        if data.get(section, {}).get(key, default) == default:
+            data.get(section, {}).pop(key, None)
+    return data
 
 
 @dataclass
@@ -329,6 +368,7 @@ class Recipe:
         d = self.to_dict()
         for key in exclude:
             d.pop(key, None)
+        without_later_defaults(d.get("data", {}))
         d.get("train", {}).pop("max_steps", None)
         d.get("train", {}).pop("resume", None)
         for key in ("loader_workers", "prefetch"):  # how batches are read, not which: a resume may change them

@@ -378,3 +378,40 @@ def test_prepare_throughput_benchmark_measures_each_layout_from_its_files(tiny_m
     assert results["fp8+top4"]["bytes_per_token_4096"] == 3 * 4096 + 3 * 4 + 4 * 6
     assert results["bf16+final"]["bytes_per_token_4096"] == 32772 and 0 < results["fp8+top4"]["topk_mass"] <= 1
     assert "fp8+top4" in res.stdout and "B/tok H=4096" in res.stdout
+
+
+def test_the_trainer_reports_its_draft_vocabularys_coverage_of_the_held_aside_responses(varied_model_dir, prompt_file,
+                                                                                         tmp_path):
+    """heldout_in_draft_vocab in every train_log record, draft_vocab in the data line and in the head's
+    config.json: heads/vocab.coverage of the exported head's vocabulary over the prepared held-aside
+    responses. benchmarks/vocab_coverage.py chooses the same vocabulary from the prepared data as the
+    trainer did: its figures equal those of the trained head's (--head), its held-aside figure the log's.
+    The varied target and 16 draft ids: the held-aside share is neither 1 nor the training one."""
+    from benchmarks.vocab_coverage import HELD, POOLED
+    from benchmarks.vocab_coverage import main as vocab_coverage
+    from draftkit.distill.prepare import finished, load_prepared
+    from draftkit.heads import load_head
+    from draftkit.heads.vocab import coverage, sample_counts
+    from draftkit.target import load_target
+    from tests.test_train import python_run
+
+    args = small(varied_model_dir, prompt_file, tmp_path, "train.max_steps=2", "head.draft_vocab_size=16")
+    res = python_run(args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    target = load_target(str(varied_model_dir), dtype="float32")
+    data = load_prepared(finished(load_recipe(ROOT / "recipes" / "quick.yaml", args), target, 10))
+    head = load_head(tmp_path / "run" / "head", target)
+    want = coverage(head.t2d, sample_counts(data.holdout_samples, target.vocab_size))
+    assert want["tokens"] > 0 and 0 < want["inside_fraction"] < 1
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert log and all(e["heldout_in_draft_vocab"] == want["inside_fraction"] for e in log)
+    said = json.loads((tmp_path / "run" / "head" / "config.json").read_text())["draft_vocab_coverage"]
+    assert said["heldout_inside"] == want["inside_fraction"] != said["train_inside"] and said["size"] == 16
+    assert said["heldout_tokens"] == want["tokens"] and f'"draft_vocab": {json.dumps(said)}' in res.stderr
+    common = [str(ROOT / "recipes" / "quick.yaml"), *args, "--prompts", str(prompt_file), "--max-new-tokens", "8"]
+    assert vocab_coverage([*common, "--out", str(tmp_path / "chosen.json")]) == 0
+    assert vocab_coverage([*common, "--head", str(tmp_path / "run" / "head"),
+                           "--out", str(tmp_path / "head.json")]) == 0
+    chosen, trained = (json.loads((tmp_path / f).read_text())["groups"] for f in ("chosen.json", "head.json"))
+    assert chosen.pop(HELD)["inside_fraction"] == want["inside_fraction"]
+    assert chosen == trained and trained[POOLED]["tokens"] > 0

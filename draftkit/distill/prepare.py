@@ -57,15 +57,17 @@ def data_fingerprint(recipe, target, num_samples: int) -> str:
 
 
 def _fingerprint_payload(recipe, target, num_samples: int) -> dict:
+    from draftkit.config import without_later_defaults
     from draftkit.distill.regenerate import engine_of
 
-    d = asdict(recipe.data)
+    d = without_later_defaults(asdict(recipe.data))  # settings added since, at their defaults: the keys as they were
     for key in ("cache_dir", "prepared_dir"):
         d.pop(key, None)
     d["responses"].pop("batch_size")
     d["responses"].pop("vllm")  # how fast (tensor parallel, memory), not what
     d["responses"]["engine"] = engine_of(recipe.data.responses, target.config)  # the engine used, never "auto"
-    if not recipe.data.sources and d["responses"]["engine"] == "vllm":
+    synthesizes = not recipe.data.sources or recipe.data.synthesize.fraction  # alone, or mixed into the sources
+    if synthesizes and d["responses"]["engine"] == "vllm":
         d["synthesize"]["engine"] = "vllm"  # Magpie prompts sampled by vLLM (hf keys stay as they were)
     # The dtype the target answers in: bf16 and fp32 responses differ (the target fingerprint rounds to
     # bf16 on purpose, so it does not tell them apart; the response cache's key carries it too).
@@ -86,8 +88,8 @@ def earlier_fingerprints(recipe, target, num_samples: int) -> list[tuple[str, st
     no data.sources samples them with vLLM and the key says so. A run trained then (recipe.json:
     engine vllm, sources []) has its data under the old key, which no newer run writes."""
     payload = _fingerprint_payload(recipe, target, num_samples)
-    if payload["data"]["synthesize"].pop("engine", None) is None:
-        return []
+    if payload["data"]["synthesize"].pop("engine", None) is None or recipe.data.synthesize.fraction:
+        return []  # (no draftkit before data.synthesize.fraction wrote a mixture)
     return [(_hash(payload), "the key draftkit used before 1033e17, when Magpie prompts were sampled by HF "
                              "even with data.responses.engine vllm")]
 

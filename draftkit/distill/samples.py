@@ -20,6 +20,7 @@ Whatever the template adds after the closing end-of-turn token is never in the l
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import asdict
 
 from .context import DataContext
@@ -176,38 +177,77 @@ def prepare_samples(ctx: DataContext, num_samples: int) -> tuple[list[dict], lis
 def prepare_conversations(ctx: DataContext, num_samples: int) -> tuple[list[Conversation], list[Prompt], dict]:
     """Prompts -> the responses to train on, sized to the run.
 
-    num_plain + data.holdout prompts are loaded from data.sources (or synthesized from the target,
-    Magpie-style, when it is empty), num_plain = num_samples minus the grounded share. The first
-    data.holdout are held aside for evaluation and never trained on; the target answers the others,
-    and then the grounded prompts built from those answers (distill/grounded.py). A prompt is
-    trained on once: repeats (of a held-aside one too) are dropped.
+    The num_samples training prompts are a mixture (mixture_counts): data.grounded.fraction of them
+    grounded tasks, data.synthesize.fraction written by the target (Magpie-style), the rest from
+    data.sources (all of them synthesized when it is empty). The plain (not grounded) prompts and
+    data.holdout more are loaded or synthesized (plain_prompts); the held-aside ones are evaluated,
+    never trained on; the target answers the others, and then the grounded prompts built from those
+    answers (distill/grounded.py). A prompt is trained on once: repeats (of a held-aside one too) are
+    dropped. stats["mixture"] counts the training prompts of each part.
     ctx.fmt "text" (completion mode, distill/text.py) needs sources: Magpie synthesis needs a chat template.
     Returns (train_conversations, holdout_prompts, stats).
     """
     d = ctx.data
     num_grounded = _grounded_count(ctx, num_samples)
-    need = num_samples - num_grounded + d.holdout
-    if d.sources:
-        prompts = load_prompts(d.sources, limit=need, seed=ctx.seed)
-    else:
-        prompts = synthesize_cached(ctx, need, d.synthesize)
-    holdout = prompts[:d.holdout]
+    _, num_synth, _ = mixture_counts(d, num_samples - num_grounded, num_grounded)
+    plain, holdout, synthesized = plain_prompts(ctx, num_samples - num_grounded, num_synth)
     seen = {p.key() for p in holdout}
-    train = _first_of_each(prompts[d.holdout:], seen)
+    train = _first_of_each(plain, seen)
     convs = responses(ctx, train, d.responses)
+    tasks = []
     if num_grounded:
         tasks = _first_of_each(grounded_prompts(convs, num_grounded, d.grounded, seed=ctx.seed), seen)
         convs = convs + regenerate(ctx, tasks, d.responses)
-    stats = dict(prompts=len(prompts) + num_grounded, holdout=len(holdout), grounded=num_grounded,
+    from_synth = sum(p.key() in synthesized for p in train)
+    stats = dict(prompts=len(plain) + len(holdout) + num_grounded, holdout=len(holdout), grounded=num_grounded,
                  responses_truncated=sum(c.truncated for c in convs),
                  response_tokens=sum(c.num_tokens for c in convs),
-                 source="synthesized" if not d.sources else [asdict(s) for s in d.sources])
+                 source="synthesized" if not d.sources else [asdict(s) for s in d.sources],
+                 mixture={"sources": len(train) - from_synth, "synthesized": from_synth, "grounded": len(tasks)})
     return convs, holdout, stats
+
+
+def mixture_counts(d, num_plain: int, num_grounded: int) -> tuple[int, int, int]:
+    """(from data.sources, synthesized, grounded) training prompts for num_plain + num_grounded:
+    data.synthesize.fraction of the whole synthesized (rounded), the plain rest from the sources;
+    everything plain is synthesized when data.sources is empty."""
+    if not d.sources:
+        return 0, num_plain, num_grounded
+    num_synth = min(num_plain, round((num_plain + num_grounded) * d.synthesize.fraction))
+    return num_plain - num_synth, num_synth, num_grounded
+
+
+def holdout_split(holdout: int, num_plain: int, num_synth: int) -> tuple[int, int]:
+    """(from data.sources, synthesized) of the held-aside prompts: the plain prompts' proportion, rounded."""
+    held_synth = round(holdout * num_synth / num_plain) if num_plain else 0
+    return holdout - held_synth, held_synth
+
+
+def plain_prompts(ctx: DataContext, num_plain: int, num_synth: int) -> tuple[list[Prompt], list[Prompt], set[str]]:
+    """(num_plain training prompts, data.holdout held-aside ones, the keys of the synthesized ones).
+
+    num_synth of the training prompts (all of them without data.sources) are synthesized, the others
+    loaded from data.sources; the held-aside ones are split in the same proportion (rounded), each
+    part's first. A mixture is shuffled with the run's seed, so that shards and grounded passages
+    draw on both parts; one part alone keeps its own order (the prompts of earlier runs, as they were).
+    """
+    d = ctx.data
+    if not d.sources:
+        prompts = synthesize_cached(ctx, num_plain + d.holdout, d.synthesize)
+        return prompts[d.holdout:], prompts[:d.holdout], {p.key() for p in prompts}
+    held_src, held_synth = holdout_split(d.holdout, num_plain, num_synth)
+    src = load_prompts(d.sources, limit=num_plain - num_synth + held_src, seed=ctx.seed)
+    if not num_synth:
+        return src[held_src:], src[:held_src], set()
+    syn = synthesize_cached(ctx, num_synth + held_synth, d.synthesize)
+    train = src[held_src:] + syn[held_synth:]
+    random.Random(ctx.seed).shuffle(train)
+    return train, src[:held_src] + syn[:held_synth], {p.key() for p in syn}
 
 
 def _grounded_count(ctx: DataContext, num_samples: int) -> int:
     """How many of num_samples are grounded tasks; ValueError for settings that cannot be prepared
-    (Magpie synthesis in completion mode; kept replies without sources, or with grounded tasks)."""
+    (Magpie synthesis in completion mode, alone or mixed; kept replies without sources, or with grounded tasks)."""
     d = ctx.data
     if ctx.fmt == "text" and not d.sources:
         raise ValueError(
@@ -215,6 +255,9 @@ def _grounded_count(ctx: DataContext, num_samples: int) -> int:
             "and this run is in completion mode (data.format: text: a base model, or a target without a chat "
             "template). Give raw-text prompts: data.sources: [{path: corpus.txt}] (.txt/.md paragraphs, code "
             "files or a directory of them, JSONL records with a `text` field, a dataset with a `text` column)")
+    if ctx.fmt == "text" and d.synthesize.fraction:
+        raise ValueError(f"data.synthesize.fraction: {d.synthesize.fraction} asks for Magpie-style prompts, which "
+                         "need a chat template, and this run is in completion mode (data.format: text); set it to 0")
     if d.responses.mode == "keep" and not d.sources:
         raise ValueError("data.responses.mode: keep trains on the sources' own replies; data.sources is empty "
                          "(synthesized prompts have none): add sources or use mode: regenerate")

@@ -172,10 +172,11 @@ def synthesize_cached(ctx: DataContext, n: int, settings: SynthesisSettings) -> 
     """
     vllm = _vllm_settings(ctx)
     engine = {} if vllm is None else {"engine": "vllm", "dtype": vllm["dtype"]}  # hf keys stay as they were
-    key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, "n": n, **asdict(settings), **engine}, sort_keys=True)
+    how = {k: v for k, v in asdict(settings).items() if k != "fraction"}  # how many is n's business, not the key's
+    key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, "n": n, **how, **engine}, sort_keys=True)
     path = ctx.cache_dir / f"prompts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
     # Raw sampled batches do not depend on n: a larger n reuses them, an interrupted run continues.
-    batch_key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, **asdict(settings), **engine}, sort_keys=True)
+    batch_key = json.dumps({"target": ctx.target_id, "seed": ctx.seed, **how, **engine}, sort_keys=True)
     batch_dir = ctx.cache_dir / f"magpie-{hashlib.sha256(batch_key.encode()).hexdigest()[:16]}"
     if ctx.rank == 0 and not path.exists():
         batch_dir.mkdir(parents=True, exist_ok=True)

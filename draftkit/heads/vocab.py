@@ -51,6 +51,22 @@ def _flat_long(x: Tensor | Iterable) -> Tensor:
     return torch.tensor(items, dtype=torch.long)  # a flat list of ints
 
 
+def sample_counts(samples: list[dict], vocab_size: int) -> Tensor:
+    """Counts (V,) of the loss-masked tokens of prepared samples ({input_ids, loss_mask}): what the
+    trainer chooses the draft vocabulary from (the tokens the head learns to predict, per data.loss_on)."""
+    return token_counts([s["input_ids"] for s in samples], vocab_size, masks=[s["loss_mask"] for s in samples])
+
+
+def coverage(t2d: Tensor, counts: Tensor) -> dict:
+    """How much of a token count (V,) the draft vocabulary t2d (V,) bool holds: {tokens, inside,
+    inside_fraction} (tokens = counts.sum(); inside_fraction None when there are none). The share of
+    the target's tokens a head drafting over t2d can say at all: an upper bound on its agreement."""
+    if counts.numel() != t2d.numel():
+        raise HeadError(f"draft vocabulary: counts has {counts.numel()} entries, t2d {t2d.numel()}")
+    total, inside = int(counts.sum()), int(counts[t2d.cpu()].sum())
+    return {"tokens": total, "inside": inside, "inside_fraction": inside / total if total else None}
+
+
 def build_draft_vocab(size: int, vocab_size: int, *, tokens: Tensor | Iterable | None = None,
                       counts: Tensor | Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
     """The `size` most frequent tokens (ties: lower id first) -> (d2t (N,) long, t2d (V,) bool).

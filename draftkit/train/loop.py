@@ -18,7 +18,7 @@ from draftkit.config import Recipe
 from draftkit.distill.prepare import Prepared
 from draftkit.engines.vllm_train_eval import preflight_ranks
 from draftkit.heads import DraftHead, build_head
-from draftkit.heads.vocab import token_counts
+from draftkit.heads.vocab import coverage, sample_counts
 from draftkit.target import Target, load_target
 from draftkit.train import checkpoint
 from draftkit.train.data import feature_store, padding_ratio, sample_order
@@ -83,6 +83,18 @@ def heldout_sums(forward, samples: list[dict], micro: int, world: int = 1, rank:
             row += [float(out[f"acc_{i}"]) * n, n]
         sums += torch.tensor(row, dtype=torch.float64)
     return sums
+
+
+def draft_vocab_coverage(head: DraftHead, data: Prepared, vocab_size: int) -> dict:
+    """How much of the data the head's draft vocabulary holds ({} for a head drafting over the whole
+    vocabulary): {size, train_inside (of the training loss tokens it was chosen from), heldout_inside (of
+    the held-aside responses' tokens: what the target says on prompts never trained on), heldout_tokens}."""
+    if not hasattr(head, "t2d") or not getattr(head, "has_draft_vocab", True):
+        return {}
+    train = coverage(head.t2d, sample_counts(data.train, vocab_size))
+    held = coverage(head.t2d, sample_counts(data.holdout_samples, vocab_size))
+    return {"size": int(head.d2t.shape[0]), "train_inside": train["inside_fraction"],
+            "heldout_inside": held["inside_fraction"], "heldout_tokens": held["tokens"]}
 
 
 def prepare_data(recipe: Recipe, target: Target, dist: Dist, num_samples: int) -> Prepared:
@@ -187,13 +199,14 @@ class Trainer:
         with checkpoint.rng_unchanged():  # the same random numbers whether stage 1 ran here or was cached
             self.data = (checked(self.found) if self.found is not None else
                          prepare_data(r, self.target, self.dist, r.samples_needed(self.global_batch)))
+        if hasattr(self.head, "set_draft_vocab"):  # EAGLE-3 / EAGLE-1: the most frequent loss tokens
+            self.head.set_draft_vocab(counts=sample_counts(self.data.train, self.target.vocab_size))
+        self.vocab_coverage = draft_vocab_coverage(self.head, self.data, self.target.vocab_size)
+        if self.vocab_coverage:
+            self.data.stats["draft_vocab"] = self.vocab_coverage
         if self.main:
             log.info("data: %d training samples, %d held-aside (%.0f s): %s", len(self.data.train),
                      len(self.data.holdout_samples), time.time() - t0, json.dumps(self.data.stats, default=str))
-        if hasattr(self.head, "set_draft_vocab"):  # EAGLE-3 / EAGLE-1: the most frequent response tokens
-            self.head.set_draft_vocab(counts=token_counts([s["input_ids"] for s in self.data.train],
-                                                          self.target.vocab_size,
-                                                          masks=[s["loss_mask"] for s in self.data.train]))
         self.order = sample_order(r.train, self.data.train, self.micro, self.global_batch)
         self.features = feature_store(r, self.target, self.head.feature_layers)
         disk = self.features.check_disk(sum(len(s["input_ids"]) for s in self.data.train + self.data.holdout_samples))
@@ -360,6 +373,8 @@ class Trainer:
                 stats["tokens_per_s"] = tok_last / max(time.time() - t_last, 1e-9)
                 t_last, tok_last = time.time(), 0.0
                 stats.update(self.heldout_agreement())
+                if self.vocab_coverage.get("heldout_inside") is not None:  # the bound beside heldout_acc
+                    stats["heldout_in_draft_vocab"] = self.vocab_coverage["heldout_inside"]
                 if r.eval_every and done % r.eval_every == 0:
                     stats.update(self.speculative_eval())
                 if engine_now:
@@ -401,6 +416,8 @@ class Trainer:
         extra = {"recipe_hash": self.recipe_hash, "train_steps": self.recipe.train.max_steps,
                  "training_dtype": str(self.target.dtype).replace("torch.", ""),
                  "head_autocast": str(self.autocast or torch.float32).replace("torch.", "")}
+        if self.vocab_coverage:
+            extra["draft_vocab_coverage"] = self.vocab_coverage
         self.head.save_pretrained(head_dir, extra=extra)
         log.info("exported head to %s", head_dir)
 
