@@ -331,6 +331,31 @@ def test_draft_vocabulary_and_topk_teacher(tiny_target):
     assert head.t2d[tok].all() and (probs[:, :, ~head.t2d] == 0).all()
 
 
+def test_topk_teacher_of_the_whole_vocabulary_gives_the_full_logit_loss_and_gradients(tiny_target):
+    """recipes/dflash.yaml trains on the stored top-k (train.target_topk) over a draft vocabulary:
+    with k = V that teacher IS the target's full distribution, so the loss, every per-position
+    agreement and the gradients equal those of the teacher rebuilt from the final hidden state
+    (the top-k rows must be gathered at a+i-1 for block position i, as the final hidden's are)."""
+    torch.manual_seed(0)
+    head = head_for(tiny_target, draft_vocab_size=40).train()
+    ids, attn, lm = batch(tiny_target, B=3, T=12)
+    head.set_draft_vocab(tokens=ids)
+    head.eval()  # every anchor, a fixed draw: both teachers see the same blocks
+    results = []
+    for kwargs in ({"top1": True}, {"topk": tiny_target.vocab_size}):
+        f = tiny_target.features(ids, attn, head.feature_layers, lm, **kwargs)
+        head.zero_grad()
+        out = head.loss(f)
+        out["loss"].backward()
+        results.append((out, [p.grad.clone() for p in head.parameters() if p.grad is not None]))
+    (full, full_g), (topk, topk_g) = results
+    assert full["tokens"] == topk["tokens"] > 0 and len(full_g) == len(topk_g) > 0
+    for key in ("loss", "kl", *(f"acc_{i}" for i in range(1, B))):  # the top-k log-probs are float16
+        torch.testing.assert_close(topk[key], full[key], rtol=2e-3, atol=1e-4, msg=key)
+    for a, b in zip(topk_g, full_g):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
+
+
 def test_bad_input(tiny_target):
     with pytest.raises(HeadError, match="head.block_size: must be >= 2"):
         build_head({"type": "dflash", "block_size": 1, "feature_layers": [1]}, tiny_target)
