@@ -577,6 +577,34 @@ def test_draft_auto_measures_a_dflash_head_within_its_block(tiny_target):
     assert calib.rows and max(r["candidate"].depth for r in calib.rows) == B - 1  # asked 8, measured to the block
 
 
+def test_cost_model_simulates_a_dflash_heads_steps_exactly(tiny_target):
+    """The cost model chooses DFlash shapes from a trace of the head (inference/cost.py): at fp32
+    T = 0 its simulated steps and verify widths equal a real run of each shape (chains, trees over
+    the block's per-position top-k, the hybrid with lookup, lookup alone) on a fitted head, so
+    what auto measures of a DFlash head is what the loop will do with it."""
+    from draftkit.inference.cost import Candidate, simulate, trace_prompt
+    from tests.test_cost import NEW, real_run
+
+    torch.manual_seed(0)
+    head = build_head({"type": "dflash", "block_size": B, "feature_layers": [1, 3], "num_anchors": 100}, tiny_target)
+    prompts = LOOP_PROMPTS + [LOOP_PROMPTS[1] * 3]  # the repeat gives lookup something to match
+    fit_on_greedy_continuations(tiny_target, head, steps=40, prompts=prompts, new_tokens=NEW, length=None)
+    head.eval()
+    traces = [trace_prompt(tiny_target, head, p, NEW, SamplingParams(), 0, (1, 2), B - 1, stop_ids=[]) for p in prompts]
+    accepted = 0
+    for c in (Candidate(1, 3, 3), Candidate(1, 2, 2), Candidate(2, 3, 6), Candidate(2, 2, 3), Candidate(2, 3, 6, 4),
+              Candidate(0, 0, 0, 4)):
+        for prompt, trace in zip(prompts, traces):
+            out, stats, seen = real_run(tiny_target, head, c, prompt)
+            steps = simulate(trace, c)
+            assert out == trace.tokens and stats.steps == len(steps), (c, prompt)
+            if c.topk:  # the last step may accept past the end, which the simulation cuts
+                assert [w for _, w in seen] == [w for _, _, w, _ in steps], (c, prompt)
+                assert [t for t, _ in seen][:-1] == [t for _, t, _, _ in steps][:-1], (c, prompt)
+                accepted += sum(t - 1 for t, _ in seen)
+    assert accepted > 20  # drafts were accepted: the simulation had deep nodes to get right
+
+
 @pytest.mark.integration
 def test_training_run_logs_heldout_agreement_per_block_position(tiny_model_dir, prompt_file, tmp_path):  # noqa: F811
     """A DFlash training run (draftkit/train/run.py, DeepSpeed, one process) logs the held-aside
