@@ -104,10 +104,10 @@ def test_evaluate_report(target, tmp_path):
     assert "tau" in format_table(rep) and "| T |" in (tmp_path / "report.md").read_text()
 
 
-def test_greedy_check_where_drafts_are_accepted(target, fitted, monkeypatch):
+def test_greedy_check_where_drafts_are_accepted(target, fitted, monkeypatch, tmp_path):
     """T = 0 with a fitted head: every method equals plain decoding while its drafts are accepted
     (tau > 1.5), and a wrong token in any method's output is reported as that method's mismatch
-    at the position it was planted."""
+    at the position it was planted, outside the near-tie gap: a failure, said in report.md."""
     from draftkit.inference.decoder import SpecDecoder
 
     s = EvalSettings(draft=DraftSettings(mode="hybrid", topk=2, depth=3, budget=6, lookup_len=4), max_new_tokens=12)
@@ -118,6 +118,7 @@ def test_greedy_check_where_drafts_are_accepted(target, fitted, monkeypatch):
         assert m["greedy_mismatches"] == 0, name
         assert m["speedup"] == m["tokens_per_s"] / rep["baseline_tokens_per_s"], name
     assert rep["methods"]["head"]["tau"] > 1.5 and rep["methods"]["hybrid"]["tau"] > 1.5, rep["methods"]
+    assert rep["greedy_failures"] == [] and rep["greedy_tie_gap"] == 1e-3  # fp32: nothing to excuse
     real = SpecDecoder.generate
 
     def one_wrong_token(self, *args, **kwargs):  # the 6th new token of every row is off by one (not the warm-up's 4)
@@ -128,6 +129,15 @@ def test_greedy_check_where_drafts_are_accepted(target, fitted, monkeypatch):
     for name, prefix in (("hybrid", "greedy"), ("lookup", "ngram_greedy"), ("head", "head_greedy")):
         assert rep["methods"][name]["greedy_mismatches"] == len(LOOP_PROMPTS), name
         assert [d["index"] for d in rep[f"{prefix}_divergences"]] == [5] * len(LOOP_PROMPTS), name
+        # a swap outside the near-tie gap is a failure, one line each, and report.md says it is a bug
+        fails = rep[f"{prefix}_failures"]
+        assert len(fails) == len(LOOP_PROMPTS) and all(" token 5: " in f and "nats below the top" in f for f in fails)
+    assert rep["greedy_max_gap"] == max(d["gap"] for d in rep["greedy_divergences"]) > rep["greedy_tie_gap"]
+    write_report(rep, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert f"0 near-ties (both tokens within 0.001 nats of the float32 top on the shared prefix; largest gap " \
+           f"{rep['greedy_max_gap']:.4f}), {len(LOOP_PROMPTS)} outside: a bug, acceptance is lossless." in md
+    assert rep["greedy_failures"][0] in md
 
 
 def test_training_time_mode_is_cheap(target):
