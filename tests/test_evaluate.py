@@ -619,3 +619,17 @@ def test_a_saved_choice_is_reused_only_for_the_setup_it_was_measured_on(target, 
     assert not same_setup(rec, tmp_path / "other-head", target)
     for key, value in (("dtype", "float16"), ("device", "cuda:0"), ("target", {"fingerprint": "0" * 16})):
         assert not same_setup({**rec, key: value}, tmp_path / "head", target), key
+
+
+def test_calibration_prompts_are_spread_over_the_list_in_turn_from_each_category():
+    """--calibration-prompts N (help: 'spread evenly over the prompt list, in turn from each
+    category'): every category is drawn in turn, each category's picks spread over its own prompts
+    (not its first ones), and `skip` is honoured. (Not asserted, a known gap in calibrate.py: where
+    a category holds fewer prompts than its share, picks repeat and others are never taken.)"""
+    from draftkit.inference.calibrate import calibration_prompts
+
+    items = [{"ids": [c, i], "category": c} for c, n in ((1, 6), (2, 2), (3, 1)) for i in range(n)]
+    assert calibration_prompts(items, 4) == [[1, 0], [2, 0], [3, 0], [1, 3]]  # category 1: 2 picks of 6, at 0 and 3
+    assert calibration_prompts(items, 3, skip={(1, 0), (3, 0)}) == [[1, 1], [2, 0], [1, 3]]  # 2 categories left
+    one = [{"ids": [i], "category": "all"} for i in range(10)]
+    assert calibration_prompts(one, 3) == [[0], [3], [6]]  # one category: spread over the list
