@@ -584,6 +584,34 @@ def test_cost_model_simulates_a_dflash_heads_steps_exactly(tiny_target):
     assert accepted > 20  # drafts were accepted: the simulation had deep nodes to get right
 
 
+def test_plan_sizes_a_dflash_step_as_autograd_keeps_it(target):
+    """`draftkit plan`'s DFlash activation estimate (plan.head_activation_bytes: A blocks of B query
+    rows per sample, every layer's fp32 scores over the context) is within [0.7, 1.4]x of the bytes
+    autograd actually saves for a training step of the same shape, at three sizes (the scores term
+    grows with anchors x context); and plan runs on recipes/dflash.yaml for an 8B config."""
+    from draftkit.plan import head_activation_bytes
+    from tests.test_plan import LLAMA, plan, problems
+
+    for anchors, T, micro in ((8, 24, 2), (32, 48, 2), (64, 96, 4)):
+        hc = {"type": "dflash", "block_size": 8, "feature_layers": [1, 3], "num_anchors": anchors, "num_layers": 2}
+        head = build_head(dict(hc), target).train()
+        ids, attn, lm = batch(target, B=micro, T=T)
+        attn[:], lm[:] = 1, 1  # every position a loss token: the anchors plan assumes are all drawn
+        f = target.features(ids, attn, head.feature_layers, lm, top1=True)
+        saved = {}
+
+        def keep(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            head.loss(f)
+        est, got = sum(head_activation_bytes(hc, target.config, micro, T, 4, 10 ** 9).values()), sum(saved.values())
+        assert 0.7 < est / got < 1.4, (anchors, T, micro, est, got)
+    p = plan("dflash", f"target.path={LLAMA}", world_size=8, gen_tokens_per_s=2000)
+    assert p["head"]["type"] == "dflash" and p["head"]["feature_layers"] == [2, 15, 27]
+    assert p["memory_per_rank"]["head_activations"]["layers"] > 0 and problems(p, "error") == []
+
+
 @pytest.mark.integration
 def test_training_run_logs_heldout_agreement_per_block_position(tiny_model_dir, prompt_file, tmp_path):  # noqa: F811
     """A DFlash training run (draftkit/train/run.py, DeepSpeed, one process) logs the held-aside
