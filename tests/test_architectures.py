@@ -9,8 +9,13 @@ For each architecture and head family:
    and a ragged batch with a head fitted to those continuations, chain, tree and hybrid: drafts are
    accepted (tau >= 1.5, depth >= 2 in trees) and rejected, and on the sliding-window targets a
    verify window is seen reaching past a rolled-back hole or a dropped branch (counted, asserted);
-4. every export writes the names and shapes the engine's loader reads for that architecture (for a llama
-   target, vLLM's exports are loaded by the real engine in tests/test_engine_vllm.py), or refuses naming why.
+4. every export of every architecture imports back to the same tensors and the same draft logits, or
+   refuses naming why. That is a round trip only: a convention wrong both ways passes it. What pins a
+   layout to the engine is elsewhere and on llama targets only: vLLM's real load and serve
+   (tests/test_engine_vllm.py, tests/test_dflash_engine.py, vLLM's load_weights of DFlash in
+   tests/test_dflash_head.py), SGLang's loader transcribed (tests/test_export_sglang.py), the speculators
+   package (tests/test_export.py, tests/test_dflash_head.py). No engine loads the Qwen2/Qwen3/Gemma 3/Mistral
+   exports here.
 """
 from __future__ import annotations
 

@@ -389,6 +389,7 @@ def _fill_run(run, totals, per_cat, outputs, gaps, items, scorer, main) -> None:
             run[f"{prefix}_near_ties"] = cmp["near_ties"]
             run[f"{prefix}_divergences"] = cmp["divergences"]
             run[f"{prefix}_max_gap"], run[f"{prefix}_tie_gap"] = cmp["max_gap"], cmp["tolerance"]
+            run[f"{prefix}_failures"] = cmp["failures"]  # divergences outside the gap: a bug when lossless
             run["methods"][name]["greedy_mismatches"] = cmp["mismatches"]
             run["methods"][name]["greedy_near_ties"] = cmp["near_ties"]
     else:

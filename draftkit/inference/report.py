@@ -10,6 +10,8 @@ report.json keys (top level = the first temperature; `runs` holds one entry per 
   draft_ms_per_step, verify_ms_per_step          the cost model: one head draft vs one target verify
   greedy_mismatches, greedy_near_ties, greedy_divergences   (T = 0 only) vs plain decoding; a bug
                             when lossless, for information under typical acceptance
+  greedy_tie_gap, greedy_max_gap, greedy_failures   the near-tie gap (nats of the float32 top), the
+                            largest gap seen, and one line per divergence outside it (stats.compare_greedy)
   ngram                     the prompt-lookup baseline: tau, alpha, tokens_per_s, speedup
   main, draft, draft_description   the measured drafting (hybrid / head / lookup) and its DraftSettings
   draft_source, dtype_choice        (draftkit eval) where the draft shape came from (flags, a saved choice,
@@ -202,13 +204,17 @@ def format_markdown(report: dict) -> str:
         divs = run.get("greedy_divergences")
         if divs is None:
             continue
+        fails = run.get("greedy_failures") or []
         md += ["## T = 0 equality with plain decoding", "",
-               f"{run.get('greedy_mismatches')} of {run.get('done_prompts')} prompts differ "
-               f"({run.get('greedy_near_ties', 0)} at near-ties of the target's top-2 logits)"
-               + ("." if report.get("lossless", True) else
-                  f"; acceptance is {report.get('acceptance')}, so differences are not a bug."), ""]
+               f"{run.get('greedy_mismatches')} of {run.get('done_prompts')} prompts differ: "
+               f"{run.get('greedy_near_ties', 0)} near-ties (both tokens within {_f(run.get('greedy_tie_gap'), 'g')} "
+               f"nats of the float32 top on the shared prefix; largest gap {_f(run.get('greedy_max_gap'), '.4f')}), "
+               f"{len(fails)} outside"
+               + (f"; acceptance is {report.get('acceptance')}, so differences are not a bug."
+                  if not report.get("lossless", True) else ": a bug, acceptance is lossless." if fails else "."), ""]
+        md += [f"- {line}" for line in fails[:50]] + ([""] if fails else [])
         if divs:
-            md += [_md_table(["prompt", "token index", "got", "expected", "top-2 gap", "tolerance", "near-tie"],
+            md += [_md_table(["prompt", "token index", "got", "expected", "gap (nats)", "tolerance", "near-tie"],
                              [[str(d["prompt"]), str(d["index"]), str(d["got"]), str(d["expected"]),
                                _f(d.get("gap"), ".4f"), _f(d.get("tolerance"), ".4f"), str(d.get("near_tie", "–"))]
                               for d in divs[:50]]), ""]
