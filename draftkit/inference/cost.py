@@ -22,10 +22,12 @@ lookup's branch for its own length included.
   starts at each position), so positions where many drafts are accepted start fewer steps; a plain
   average over positions (the model before) overstated tau by 4-10% on lookup-heavy shapes.
 
-Cost per step, from timings: the verify forward of w tokens, the head's tree drafting per (topk,
+Cost per step, from timings: the loop's own verify step of w tokens (SpecDecoder.verify_step, the
+function the loop's verify timer spans: ancestor mask, forward on the loop's cache, walk, commit;
+timed greedy on a LoopState of the calibration context), the head's tree drafting per (topk,
 depth) (or only consuming the confirmed positions), the lookup's proposal and merge, the loop's own
-overhead (walk, cache roll-back, bookkeeping: the residual of a real run of the loop) and, at T > 0,
-the walk's noise rows. Plain decoding's step is timed with plain_generate itself. Every cost is
+overhead (bookkeeping between the parts: the residual of a real run of the loop) and, at T > 0,
+the sampled walk's noise rows. Plain decoding's step is timed with plain_generate itself. Every cost is
 measured in several interleaved rounds and the minimum kept (load from other processes only ever
 adds time); the profile is checked for consistency and `warnings` says where it is not.
 
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from draftkit.inference.cache import TargetCache, left_pad
-from draftkit.inference.decoder import SpecDecoder, plain_generate
+from draftkit.inference.decoder import Proposal, SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
@@ -484,14 +486,17 @@ def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs]
 
 def _min_times(items: dict, rounds: int, tick=None, warmup: bool = True) -> dict:
     """ms of each callable: `rounds` interleaved rounds (after a warm-up round), the minimum kept
-    (another process can only ever add time)."""
+    (another process can only ever add time). An item may be (fn, undo): undo runs after fn, untimed."""
     best = {key: math.inf for key in items}
     for r in range(rounds + warmup):
-        for key, fn in items.items():
+        for key, item in items.items():
+            fn, undo = item if isinstance(item, tuple) else (item, None)
             t = time.perf_counter()
             fn()
             if r or not warmup:
                 best[key] = min(best[key], 1e3 * (time.perf_counter() - t))
+            if undo is not None:
+                undo()
         if tick is not None:
             tick()
     return best
@@ -502,15 +507,13 @@ def measure_costs(target, head, context: list[int], topks, depth: int, params: S
                   widths=VERIFY_WIDTHS, plain_tokens: int = 8, tick=None, warmup: bool = True) -> Costs:
     """Time every cost of the model on `context` (interleaved rounds, minimum kept)."""
     dev = target.device
-    ids, valid = left_pad([context], dev)
-    tc = TargetCache(target, 1, head.feature_layers)
-    _, feats = tc.forward(ids, valid)
-    tc.commit(valid)
-    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+    dec = _verify_decoder(target, head)
+    s = dec._prefill([context], SamplingParams(), [0])  # the loop's own state on the context (greedy: module doc)
+    feats, nxt, valid = s.feats, s.next_tokens, s.valid
     state = head.new_draft_state(1)
     head.tree_root(state, feats, nxt, valid)  # the context is in the head's cache; then one position a step
     one_f, one_t, one_v = feats[:, -1:], nxt[:, -1:], valid[:, -1:]
-    items = {("verify", w): _verify_fn(tc, context[-1], w) for w in widths}
+    items = {("verify", w): _verify_fn(dec, s, w) for w in widths}
     for k in topks:
         for d in range(1, depth + 1):
             items[("draft", k, d)] = (lambda k=k, d=d: head.draft_tree(state, one_f, one_t, one_v, TreeShape(k, d, k)))
@@ -531,18 +534,44 @@ def measure_costs(target, head, context: list[int], topks, depth: int, params: S
                  plain_run_ms=ms["plainN"], plain_tokens=plain_tokens, lookup_ms=ms["lookup"])
 
 
-def _verify_fn(tc: TargetCache, token: int, w: int):
-    """One verify forward of w tokens (a chain mask; a tree's mask costs the same) after the cache."""
-    dev = tc.next_pos.device
-    block = torch.full((1, w), int(token), dtype=torch.long, device=dev)
-    ar = torch.arange(w, device=dev)
-    mask = (ar[None, :] <= ar[:, None])[None]
-    ones = torch.ones(1, w, dtype=torch.bool, device=dev)
+def _verify_decoder(target, head) -> SpecDecoder:
+    """A tree-mode loop as the candidates' (its k, the walk's depth bound, is lookup's longest
+    branch, the deepest a candidate drafts); its drafter is never asked: calibration hands
+    verify_step its trees."""
+    from draftkit.inference.drafters import HybridDrafter
+
+    return SpecDecoder(target, HybridDrafter(head, NgramDrafter(), max(LOOKUP_LENS)), tree=TreeShape(1, 1, 1),
+                       stop_ids=[])
+
+
+def verify_tree(w: int, token: int, device, depth: int = max(LOOKUP_LENS)) -> DraftTree:
+    """The tree calibration verifies at width w: w - 1 nodes of `token`, a chain of up to `depth`
+    (lookup's longest branch) and the rest children of the root, as a wide head tree's are: its
+    ancestor mask and walk cost what a candidate's of that width cost."""
+    idx = torch.arange(w - 1, device=device)
+    parents = torch.where((idx > 0) & (idx < depth), idx - 1, -1)[None]  # (1, w - 1)
+    depths = torch.where(idx < depth, idx + 1, 1)[None]
+    return DraftTree(torch.full((1, w - 1), int(token), dtype=torch.long, device=device), parents, depths,
+                     torch.zeros(1, w - 1, dtype=torch.uint8, device=device))
+
+
+def _verify_fn(dec: SpecDecoder, s, w: int):
+    """(step, undo): the loop's own verify step (SpecDecoder.verify_step: ancestor mask, forward on
+    the loop's cache, walk, commit: what the loop's verify timer spans) of width w on LoopState s;
+    undo (untimed) crops the committed slots and restores s, so every call sees the same context."""
+    proposal = Proposal(verify_tree(w, int(s.pending[0]), s.pending.device))
+    saved = (s.pending, s.feats, s.next_tokens, s.valid)
+    verdict = []
 
     def step():
-        tc.verify(block, ones, tc.next_pos[:, None] + ar, mask)
-        tc._crop(w)
-    return step
+        verdict[:] = [dec.verify_step(s, proposal)]
+
+    def undo():
+        kept = int(verdict[0].num_accepted[0]) + 1
+        s.tc._crop(kept)
+        s.tc.next_pos -= kept
+        s.pending, s.feats, s.next_tokens, s.valid = saved
+    return step, undo
 
 
 @torch.inference_mode()
