@@ -37,6 +37,7 @@ prediction exceeds PAYS the choice is plain decoding.
 from __future__ import annotations
 
 import math
+import os
 import platform
 import time
 from dataclasses import dataclass, field, replace
@@ -56,6 +57,7 @@ BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LOOKUP_LENS = (0, 4, 6, 8, 10)
 HEAD_OFF = (None, 2, 4, 6)
 PAYS = 1.05  # a shape is chosen over plain decoding only when predicted this much faster
+OTHERS_CORES = 0.1  # other processes' mean CPU use (cores) above which timings are said to include them
 INF = 1 << 30
 
 
@@ -601,6 +603,34 @@ def measure_loop(target, head, context: list[int], costs: Costs, params: Samplin
     return residuals[len(residuals) // 2] if residuals else 0.0
 
 
+def machine_cpu_s() -> tuple[float, float]:
+    """(CPU seconds this process has used, CPU seconds the whole machine has been busy) so far,
+    from /proc (Linux; (0, 0) where it is not readable)."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()  # from field 3 on: utime, stime are fields 14, 15
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(own[11]) + int(own[12])) / tick, (sum(cpu) - cpu[3] - cpu[4]) / tick
+
+
+def others_meter():
+    """A meter of the CPU other processes take from now on: calling it gives their mean use in
+    cores since it was made (0.5: half a core; 0 where /proc is not readable). A timing taken while
+    they ran measures them as much as this process (on a 2-core CPU a second torch job makes each
+    parallel region wait for a descheduled thread)."""
+    own0, busy0 = machine_cpu_s()
+    t0 = time.perf_counter()
+
+    def cores() -> float:
+        own, busy = machine_cpu_s()
+        return max(0.0, (busy - busy0) - (own - own0)) / max(time.perf_counter() - t0, 1e-9)
+    return cores
+
+
 def check_costs(costs: Costs) -> list[str]:
     """Where the measured profile is not what one machine at rest gives (module doc)."""
     out = []
@@ -662,7 +692,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     axes = space.axes(head_depth(head, INF))
     budget_s = budget_s or (120.0 if target.device.type == "cpu" else 60.0)
     temps = [float(t) for t in temperatures] or [0.0]
-    t0, warnings = time.perf_counter(), []
+    t0, warnings, others = time.perf_counter(), [], others_meter()
     traces: dict[float, list[Trace]] = {}
     costs: dict[float, Costs] = {}
     bar = tqdm(total=len(temps) * (rounds + 2 + len(prompts)), desc="draft auto: calibrating", unit="part",
@@ -676,6 +706,10 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
         traces[T], more = run.traces(params, share - (time.perf_counter() - t_start))
         warnings += [f"T={T:g}: {w}" for w in said + more + check_plain(traces[T], costs[T])]
     bar.close()
+    busy = others()
+    if busy > OTHERS_CORES:
+        warnings.append(f"other processes used {busy:.2f} cores of this machine while calibrating: the costs "
+                        "include them; the choice may be wrong")
     choice, rows = choose(traces, costs, cands, pays if space.any_mode else -math.inf)
     cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0)
     chosen = _settings(base, cal, target, space, pays)
