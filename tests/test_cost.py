@@ -239,6 +239,22 @@ def test_calibrated_verify_is_what_the_loops_verify_step_costs(fitted, monkeypat
     assert costs.verify(widths[0]) == 1e3 * unit * (1 + widths[0] + 3 + 5 + 7)
 
 
+def test_others_meter_counts_only_other_processes(monkeypatch):
+    """The CPU other processes took over a stretch, in cores: the machine's busy time less this
+    process's own, per second of wall time (a timing beside them is said to include them)."""
+    import time
+
+    from draftkit.inference import cost
+
+    own, busy = cost.machine_cpu_s()  # the real /proc: the machine's busy time includes this process's
+    assert 0 < own <= busy
+    readings = iter([(10.0, 100.0), (13.0, 104.5)])  # (own, machine busy) CPU seconds: 3 ours, 1.5 others'
+    clock = iter([50.0, 53.0])  # 3 s of wall time
+    monkeypatch.setattr(cost, "machine_cpu_s", lambda: next(readings))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    assert cost.others_meter()() == 0.5
+
+
 def test_auto_respects_a_medusa_heads_depth():
     target = make_tiny_target()
     head = build_head({"type": "medusa", "num_heads": 2}, target).eval()
