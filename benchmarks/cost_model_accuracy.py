@@ -23,7 +23,8 @@ import torch
 
 from draftkit.heads.base import load_head
 from draftkit.inference.calibrate import calibration_prompts
-from draftkit.inference.cost import Candidate, auto_draft, position_step, predict, simulate, trace_prompt
+from draftkit.inference.cost import (OTHERS_CORES, Candidate, auto_draft, others_meter, position_step, predict,
+                                     simulate, trace_prompt)
 from draftkit.inference.decoder import SpecDecoder, plain_generate, stop_token_ids
 from draftkit.inference.evaluate import _prepare, read_prompt_file
 from draftkit.inference.report import atomic_write
@@ -45,10 +46,14 @@ def others(rows: list[dict], chosen: Candidate | None) -> list[Candidate]:
     return picks
 
 
-def measure(target, head, shapes: list[Candidate], prompts, max_new: int, params: SamplingParams, seed: int):
-    """tokens/s and tau of plain decoding and every shape on `prompts`, interleaved prompt by prompt."""
+def measure(target, head, shapes: list[Candidate], prompts, max_new: int, params: SamplingParams, seed: int,
+            retries: int = 2):
+    """tokens/s and tau of plain decoding and every shape on `prompts`, interleaved prompt by prompt;
+    per shape also every step's verify time by width (the loop's on_step hook). A run during which
+    other processes took more than OTHERS_CORES is run again (up to `retries` times) and the least
+    disturbed kept; what others took is reported per method."""
     stop = stop_token_ids(target)
-    decs = {}
+    decs, widths = {}, {c: {} for c in shapes}
     for c in shapes:
         drafter, kw = c.settings(_base()).decoder_args(head)
         decs[c] = SpecDecoder(target, drafter, stop_ids=stop, **kw)
@@ -58,26 +63,65 @@ def measure(target, head, shapes: list[Candidate], prompts, max_new: int, params
     plain_generate(target, [prompts[0]], 4)
     tot = {n: [0.0, 0, 0, 0] for n in names}  # seconds, new tokens, emitted, row steps
     part = {c: [0.0, 0.0, 0.0, 0] for c in shapes}  # prefill s, draft s, verify s, steps
+    others = {n: [0.0, 0] for n in names}  # others' core-seconds during the kept runs, reruns
     for i, p in enumerate(prompts):
         order = names[i % len(names):] + names[: i % len(names)]
         for n in order:
-            if n == "plain":
-                _, st, _ = plain_generate(target, [p], max_new, params, [seed + i], stop)
-                tot[n][0] += st.total_s
-                tot[n][1] += st.new_tokens
-            else:
-                _, st = decs[n].generate([p], max_new, params, [seed + i])
-                tot[n][0] += st.total_s
-                tot[n][1] += st.new_tokens
+            st, busy, steps, reruns = _quietest(lambda: _run(decs.get(n), target, p, max_new, params, seed + i, stop),
+                                                retries)
+            others[n][0] += busy * st.total_s
+            others[n][1] += reruns
+            tot[n][0] += st.total_s
+            tot[n][1] += st.new_tokens
+            if n != "plain":
                 tot[n][2] += st.emitted
                 tot[n][3] += st.row_steps
                 for j, v in enumerate((st.prefill_s, st.draft_s, st.verify_s, st.steps)):
                     part[n][j] += v
+                for w, ms in steps:
+                    widths[n].setdefault(w, []).append(ms)
         print(f"  measured {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
     plain_tps = tot["plain"][1] / tot["plain"][0]
     return {c: {"speedup": (tot[c][1] / tot[c][0]) / plain_tps, "tau": tot[c][2] / max(tot[c][3], 1),
-                "tokens_per_s": tot[c][1] / tot[c][0], "parts_ms": _measured_parts(tot[c][0], *part[c])}
-            for c in shapes}, plain_tps
+                "tokens_per_s": tot[c][1] / tot[c][0], "parts_ms": _measured_parts(tot[c][0], *part[c]),
+                "verify_ms_by_width": widths[c], "others_cores": others[c][0] / tot[c][0], "reruns": others[c][1]}
+            for c in shapes}, plain_tps, {"others_cores": others["plain"][0] / tot["plain"][0],
+                                          "reruns": others["plain"][1]}
+
+
+def _run(dec, target, prompt, max_new, params, seed, stop):
+    """One measured run: (stats, [(verify width, verify_step ms)] per step) of dec, or plain decoding (dec None)."""
+    if dec is None:
+        _, st, _ = plain_generate(target, [prompt], max_new, params, [seed], stop)
+        return st, []
+    steps = []
+    dec.on_step = lambda tree, draft_s, verify_s: steps.append((int(tree.num_nodes[0]) + 1, 1e3 * verify_s))
+    _, st = dec.generate([prompt], max_new, params, [seed])
+    dec.on_step = None
+    return st, steps
+
+
+def _quietest(run, retries: int):
+    """run() up to 1 + retries times while other processes took more than OTHERS_CORES during it:
+    (stats, others' cores, per-step widths and times) of the quietest, and the number of reruns."""
+    best, reruns = None, 0
+    for attempt in range(1 + retries):
+        meter = others_meter()
+        st, steps = run()
+        busy = meter()
+        if best is None or busy < best[1]:
+            best = (st, busy, steps)
+        if busy <= OTHERS_CORES:
+            break
+        reruns += attempt < retries
+    return (*best, reruns)
+
+
+def verify_by_width(measured: dict, costs) -> dict:
+    """Per verify width of the measured runs: steps, the loop's verify_step mean and minimum (ms),
+    and the model's calibrated verify(w) beside them."""
+    return {str(w): {"steps": len(ms), "measured_mean": round(sum(ms) / len(ms), 2), "measured_min": round(min(ms), 2),
+                     "calibrated": round(costs.verify(w), 2)} for w, ms in sorted(measured.items())}
 
 
 def _measured_parts(total_s, prefill_s, draft_s, verify_s, steps) -> dict:
@@ -134,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget", type=float, default=None, help="calibration budget per temperature, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--retries", type=int, default=2,
+                    help="reruns of a measured run during which other processes took > 0.1 cores (default 2)")
     ap.add_argument("--no-own-traces", dest="own_traces", action="store_false",
                     help="skip predicting from the measured prompts' own traces (the model's error alone)")
     ap.add_argument("--out", default="benchmarks/results/cost_model_accuracy.json")
@@ -148,7 +194,7 @@ def main(argv=None) -> int:
               "measured_prompts": len(held), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "cpu_flags": _cpu_flags(), "runs": []}
-    lines, parts = [], []
+    lines, parts, wlines = [], [], []
     for T in args.temperatures:
         t0 = time.perf_counter()
         chosen, cal = auto_draft(target, head, calib, temperatures=(T,), max_new_tokens=args.max_new_tokens,
@@ -157,7 +203,8 @@ def main(argv=None) -> int:
         print(f"T={T:g}: chose {chosen.describe()} ({chosen.chosen_by})", file=sys.stderr, flush=True)
         shapes = others(cal.rows, cal.choice)
         pred = {r["candidate"]: r["by_temperature"][f"{T:g}"] for r in cal.rows if r["candidate"] in shapes}
-        got, plain_tps = measure(target, head, shapes, held, args.max_new_tokens, SamplingParams(T), args.seed + 1000)
+        got, plain_tps, plain_load = measure(target, head, shapes, held, args.max_new_tokens, SamplingParams(T),
+                                             args.seed + 1000, args.retries)
         # the same costs on the measured prompts' own traces: the model's error without the calibration
         # prompts' sampling error (how far 8 prompts' tau is from 12 others')
         depth = max(c.depth for r in cal.rows for c in [r["candidate"]])
@@ -165,6 +212,7 @@ def main(argv=None) -> int:
                             (1, 2, 4, 8), depth) for i, p in enumerate(held)] if args.own_traces else None
         run = {"temperature": T, "calibration_s": round(cal_s, 1), "chosen": chosen.describe(),
                "plain_chosen": cal.choice is None, "warnings": cal.warnings, "plain_tokens_per_s": plain_tps,
+               "plain_others_cores": round(plain_load["others_cores"], 3), "plain_reruns": plain_load["reruns"],
                "costs": chosen.measured.get("costs"), "shapes": []}
         for c in shapes:
             p, m = pred[c], got[c]
@@ -176,12 +224,19 @@ def main(argv=None) -> int:
                                   "own_traces": o and {"tau": o["tau"], "speedup": o["speedup"],
                                                        "error": o["speedup"] / m["speedup"] - 1,
                                                        "parts_ms": predicted_parts(own, cal.costs[T], c)},
-                                  "measured_parts_ms": m["parts_ms"]})
+                                  "measured_parts_ms": m["parts_ms"],
+                                  "verify_by_width": verify_by_width(m["verify_ms_by_width"], cal.costs[T]),
+                                  "others_cores": round(m["others_cores"], 3), "reruns": m["reruns"]})
             avg = run["shapes"][-1]["own_traces"]["parts_ms"]["tau_position_average"] if o else None
             own_cells = (f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%)"
                          + (f"; tau as a position average {avg:.2f}" if avg else "") + " |") if o else " - |"
             lines.append(f"| {T:g} | {c.label()}{' *' if c == cal.choice else ''} | {p['tau']:.2f} | {m['tau']:.2f} | "
                          f"{p['speedup']:.2f}x | {m['speedup']:.2f}x | {100 * err:+.1f}% |{own_cells}")
+            vw = run["shapes"][-1]["verify_by_width"]
+            wlines.append(f"| {T:g} | {c.label()} | " + ", ".join(
+                f"{w}: {v['measured_mean']:.1f} / {v['measured_min']:.1f} vs {v['calibrated']:.1f} ({v['steps']})"
+                for w, v in sorted(vw.items(), key=lambda kv: -kv[1]["steps"])[:4]) + f" | {m['others_cores']:.2f} "
+                f"({m['reruns']} reruns) |")
             if o:
                 q, r = run["shapes"][-1]["own_traces"]["parts_ms"], m["parts_ms"]
                 parts.append(f"| {T:g} | {c.label()} | {q['step']:.1f} = verify {q['verify']:.1f} (w {q['mean_width']:.1f}) "
@@ -199,6 +254,10 @@ def main(argv=None) -> int:
               "plain step: model / in the traces' plain runs |")
         print("|---|---|---|---|---|")
         print("\n".join(parts))
+    print("\n| T | shape | the loop's verify step by width (most steps first): mean / min ms vs calibrated verify(w) "
+          "(steps) | other processes' cores during its runs |")
+    print("|---|---|---|---|")
+    print("\n".join(wlines))
     print(f"wrote {args.out}")
     return 0
 

@@ -17,7 +17,8 @@ import torch
 
 from draftkit.heads import build_head
 from draftkit.inference.cost import (Candidate, Costs, accept_law, auto_draft, candidates, check_costs, choose,
-                                     format_choice, position_step, simulate, step_visits, trace_prompt)
+                                     format_choice, measure_costs, position_step, simulate, step_visits,
+                                     trace_prompt)
 from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import EvalSettings, evaluate
@@ -197,6 +198,61 @@ def test_lookup_alone_is_costed_with_its_own_loop_overhead(fitted):
     lookup, tree = Candidate(0, 0, 0, 4), Candidate(2, 2, 3)
     assert c.step(lookup, 5, False) - c.verify(5) == pytest.approx(c.lookup_ms + c.lookup_overhead_ms)
     assert c.step(tree, 4, True) - c.verify(4) == pytest.approx(c.draft_ms[(2, 2)] + c.overhead_ms)
+
+
+def test_calibrated_verify_is_what_the_loops_verify_step_costs(fitted, monkeypatch):
+    """verify(w), what the model charges a step of width w, is the time the loop's verify timer
+    takes at that width (SpecDecoder.verify_step), not a forward beside it: on a deterministic
+    clock where the target's forward of T tokens costs 1 + T units and the rest of the loop's verify
+    step, the ancestor mask, the walk and the commit, 3, 5 and 7, every step of a real hybrid run
+    took exactly the calibrated verify(w) of its width."""
+    import time
+
+    from draftkit.inference import cache, decoder, tree as tree_mod
+
+    target, head, _ = fitted
+    now, unit = [0.0], 2.0 ** -10  # binary fractions: the sums are exact
+
+    def charged(fn, units):
+        def run(*a, **kw):
+            out = fn(*a, **kw)
+            now[0] += unit * units(*a, **kw)
+            return out
+        return run
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(target, "decoder", charged(target.decoder, lambda *a, input_ids, **kw: 1 + input_ids.shape[1]))
+    monkeypatch.setattr(tree_mod.DraftTree, "ancestor_mask", charged(tree_mod.DraftTree.ancestor_mask, lambda *a: 3))
+    monkeypatch.setattr(decoder, "accept_tree", charged(decoder.accept_tree, lambda *a, **kw: 5))
+    monkeypatch.setattr(cache.TargetCache, "commit_path", charged(cache.TargetCache.commit_path, lambda *a: 7))
+
+    drafter, kw = Candidate(3, 2, 4, 6).settings(DraftSettings()).decoder_args(head)
+    dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
+    steps = []  # (verify width, ms the loop's verify timer took)
+    dec.on_step = lambda tree, draft_s, verify_s: steps.append((int(tree.num_nodes[0]) + 1, 1e3 * verify_s,
+                                                                tree.tokens.shape[1] + 1))
+    dec.generate([PROMPTS[-1]], NEW)
+    assert all(w == fed for w, _, fed in steps)  # batch 1: every node fed is a node of the tree
+    widths = sorted({w for w, _, _ in steps})
+    assert len(widths) >= 3
+    costs = measure_costs(target, head, PROMPTS[-1], (2,), 1, SamplingParams(), rounds=1, widths=tuple(widths))
+    assert [(w, ms) for w, ms, _ in steps] == [(w, costs.verify(w)) for w, _, _ in steps]
+    assert costs.verify(widths[0]) == 1e3 * unit * (1 + widths[0] + 3 + 5 + 7)
+
+
+def test_others_meter_counts_only_other_processes(monkeypatch):
+    """The CPU other processes took over a stretch, in cores: the machine's busy time less this
+    process's own, per second of wall time (a timing beside them is said to include them)."""
+    import time
+
+    from draftkit.inference import cost
+
+    own, busy = cost.machine_cpu_s()  # the real /proc: the machine's busy time includes this process's
+    assert 0 < own <= busy
+    readings = iter([(10.0, 100.0), (13.0, 104.5)])  # (own, machine busy) CPU seconds: 3 ours, 1.5 others'
+    clock = iter([50.0, 53.0])  # 3 s of wall time
+    monkeypatch.setattr(cost, "machine_cpu_s", lambda: next(readings))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    assert cost.others_meter()() == 0.5
 
 
 def test_auto_respects_a_medusa_heads_depth():

@@ -22,10 +22,12 @@ lookup's branch for its own length included.
   starts at each position), so positions where many drafts are accepted start fewer steps; a plain
   average over positions (the model before) overstated tau by 4-10% on lookup-heavy shapes.
 
-Cost per step, from timings: the verify forward of w tokens, the head's tree drafting per (topk,
+Cost per step, from timings: the loop's own verify step of w tokens (SpecDecoder.verify_step, the
+function the loop's verify timer spans: ancestor mask, forward on the loop's cache, walk, commit;
+timed greedy on a LoopState of the calibration context), the head's tree drafting per (topk,
 depth) (or only consuming the confirmed positions), the lookup's proposal and merge, the loop's own
-overhead (walk, cache roll-back, bookkeeping: the residual of a real run of the loop) and, at T > 0,
-the walk's noise rows. Plain decoding's step is timed with plain_generate itself. Every cost is
+overhead (bookkeeping between the parts: the residual of a real run of the loop) and, at T > 0,
+the sampled walk's noise rows. Plain decoding's step is timed with plain_generate itself. Every cost is
 measured in several interleaved rounds and the minimum kept (load from other processes only ever
 adds time); the profile is checked for consistency and `warnings` says where it is not.
 
@@ -35,6 +37,7 @@ prediction exceeds PAYS the choice is plain decoding.
 from __future__ import annotations
 
 import math
+import os
 import platform
 import time
 from dataclasses import dataclass, field, replace
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from draftkit.inference.cache import TargetCache, left_pad
-from draftkit.inference.decoder import SpecDecoder, plain_generate
+from draftkit.inference.decoder import Proposal, SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
@@ -54,6 +57,7 @@ BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LOOKUP_LENS = (0, 4, 6, 8, 10)
 HEAD_OFF = (None, 2, 4, 6)
 PAYS = 1.05  # a shape is chosen over plain decoding only when predicted this much faster
+OTHERS_CORES = 0.1  # other processes' mean CPU use (cores) above which timings are said to include them
 INF = 1 << 30
 
 
@@ -484,14 +488,17 @@ def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs]
 
 def _min_times(items: dict, rounds: int, tick=None, warmup: bool = True) -> dict:
     """ms of each callable: `rounds` interleaved rounds (after a warm-up round), the minimum kept
-    (another process can only ever add time)."""
+    (another process can only ever add time). An item may be (fn, undo): undo runs after fn, untimed."""
     best = {key: math.inf for key in items}
     for r in range(rounds + warmup):
-        for key, fn in items.items():
+        for key, item in items.items():
+            fn, undo = item if isinstance(item, tuple) else (item, None)
             t = time.perf_counter()
             fn()
             if r or not warmup:
                 best[key] = min(best[key], 1e3 * (time.perf_counter() - t))
+            if undo is not None:
+                undo()
         if tick is not None:
             tick()
     return best
@@ -502,15 +509,13 @@ def measure_costs(target, head, context: list[int], topks, depth: int, params: S
                   widths=VERIFY_WIDTHS, plain_tokens: int = 8, tick=None, warmup: bool = True) -> Costs:
     """Time every cost of the model on `context` (interleaved rounds, minimum kept)."""
     dev = target.device
-    ids, valid = left_pad([context], dev)
-    tc = TargetCache(target, 1, head.feature_layers)
-    _, feats = tc.forward(ids, valid)
-    tc.commit(valid)
-    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+    dec = _verify_decoder(target, head)
+    s = dec._prefill([context], SamplingParams(), [0])  # the loop's own state on the context (greedy: module doc)
+    feats, nxt, valid = s.feats, s.next_tokens, s.valid
     state = head.new_draft_state(1)
     head.tree_root(state, feats, nxt, valid)  # the context is in the head's cache; then one position a step
     one_f, one_t, one_v = feats[:, -1:], nxt[:, -1:], valid[:, -1:]
-    items = {("verify", w): _verify_fn(tc, context[-1], w) for w in widths}
+    items = {("verify", w): _verify_fn(dec, s, w) for w in widths}
     for k in topks:
         for d in range(1, depth + 1):
             items[("draft", k, d)] = (lambda k=k, d=d: head.draft_tree(state, one_f, one_t, one_v, TreeShape(k, d, k)))
@@ -531,18 +536,44 @@ def measure_costs(target, head, context: list[int], topks, depth: int, params: S
                  plain_run_ms=ms["plainN"], plain_tokens=plain_tokens, lookup_ms=ms["lookup"])
 
 
-def _verify_fn(tc: TargetCache, token: int, w: int):
-    """One verify forward of w tokens (a chain mask; a tree's mask costs the same) after the cache."""
-    dev = tc.next_pos.device
-    block = torch.full((1, w), int(token), dtype=torch.long, device=dev)
-    ar = torch.arange(w, device=dev)
-    mask = (ar[None, :] <= ar[:, None])[None]
-    ones = torch.ones(1, w, dtype=torch.bool, device=dev)
+def _verify_decoder(target, head) -> SpecDecoder:
+    """A tree-mode loop as the candidates' (its k, the walk's depth bound, is lookup's longest
+    branch, the deepest a candidate drafts); its drafter is never asked: calibration hands
+    verify_step its trees."""
+    from draftkit.inference.drafters import HybridDrafter
+
+    return SpecDecoder(target, HybridDrafter(head, NgramDrafter(), max(LOOKUP_LENS)), tree=TreeShape(1, 1, 1),
+                       stop_ids=[])
+
+
+def verify_tree(w: int, token: int, device, depth: int = max(LOOKUP_LENS)) -> DraftTree:
+    """The tree calibration verifies at width w: w - 1 nodes of `token`, a chain of up to `depth`
+    (lookup's longest branch) and the rest children of the root, as a wide head tree's are: its
+    ancestor mask and walk cost what a candidate's of that width cost."""
+    idx = torch.arange(w - 1, device=device)
+    parents = torch.where((idx > 0) & (idx < depth), idx - 1, -1)[None]  # (1, w - 1)
+    depths = torch.where(idx < depth, idx + 1, 1)[None]
+    return DraftTree(torch.full((1, w - 1), int(token), dtype=torch.long, device=device), parents, depths,
+                     torch.zeros(1, w - 1, dtype=torch.uint8, device=device))
+
+
+def _verify_fn(dec: SpecDecoder, s, w: int):
+    """(step, undo): the loop's own verify step (SpecDecoder.verify_step: ancestor mask, forward on
+    the loop's cache, walk, commit: what the loop's verify timer spans) of width w on LoopState s;
+    undo (untimed) crops the committed slots and restores s, so every call sees the same context."""
+    proposal = Proposal(verify_tree(w, int(s.pending[0]), s.pending.device))
+    saved = (s.pending, s.feats, s.next_tokens, s.valid)
+    verdict = []
 
     def step():
-        tc.verify(block, ones, tc.next_pos[:, None] + ar, mask)
-        tc._crop(w)
-    return step
+        verdict[:] = [dec.verify_step(s, proposal)]
+
+    def undo():
+        kept = int(verdict[0].num_accepted[0]) + 1
+        s.tc._crop(kept)
+        s.tc.next_pos -= kept
+        s.pending, s.feats, s.next_tokens, s.valid = saved
+    return step, undo
 
 
 @torch.inference_mode()
@@ -570,6 +601,34 @@ def measure_loop(target, head, context: list[int], costs: Costs, params: Samplin
         residuals += [1e3 * (t1 - t0) - costs.verify(w) - fixed for (t0, _), (t1, w) in zip(seen, seen[1:])]
     residuals.sort()
     return residuals[len(residuals) // 2] if residuals else 0.0
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(CPU seconds this process has used, CPU seconds the whole machine has been busy) so far,
+    from /proc (Linux; (0, 0) where it is not readable)."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()  # from field 3 on: utime, stime are fields 14, 15
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(own[11]) + int(own[12])) / tick, (sum(cpu) - cpu[3] - cpu[4]) / tick
+
+
+def others_meter():
+    """A meter of the CPU other processes take from now on: calling it gives their mean use in
+    cores since it was made (0.5: half a core; 0 where /proc is not readable). A timing taken while
+    they ran measures them as much as this process (on a 2-core CPU a second torch job makes each
+    parallel region wait for a descheduled thread)."""
+    own0, busy0 = machine_cpu_s()
+    t0 = time.perf_counter()
+
+    def cores() -> float:
+        own, busy = machine_cpu_s()
+        return max(0.0, (busy - busy0) - (own - own0)) / max(time.perf_counter() - t0, 1e-9)
+    return cores
 
 
 def check_costs(costs: Costs) -> list[str]:
@@ -633,7 +692,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     axes = space.axes(head_depth(head, INF))
     budget_s = budget_s or (120.0 if target.device.type == "cpu" else 60.0)
     temps = [float(t) for t in temperatures] or [0.0]
-    t0, warnings = time.perf_counter(), []
+    t0, warnings, others = time.perf_counter(), [], others_meter()
     traces: dict[float, list[Trace]] = {}
     costs: dict[float, Costs] = {}
     bar = tqdm(total=len(temps) * (rounds + 2 + len(prompts)), desc="draft auto: calibrating", unit="part",
@@ -647,6 +706,10 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
         traces[T], more = run.traces(params, share - (time.perf_counter() - t_start))
         warnings += [f"T={T:g}: {w}" for w in said + more + check_plain(traces[T], costs[T])]
     bar.close()
+    busy = others()
+    if busy > OTHERS_CORES:
+        warnings.append(f"other processes used {busy:.2f} cores of this machine while calibrating: the costs "
+                        "include them; the choice may be wrong")
     choice, rows = choose(traces, costs, cands, pays if space.any_mode else -math.inf)
     cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0)
     chosen = _settings(base, cal, target, space, pays)

@@ -230,6 +230,7 @@ class SpecDecoder:
         self.stop_ids = stop_token_ids(target) if stop_ids is None else list(stop_ids)
         self.layers = tuple(getattr(head, "feature_layers", (FINAL,)))
         self.observer = None  # called with (DraftTree, Verdict) after every verify (tree.score: None for a chain)
+        self.on_step = None  # called with (DraftTree, draft seconds, verify_step seconds) after every step
 
     @property
     def lossless(self) -> bool:
@@ -261,11 +262,13 @@ class SpecDecoder:
             proposal = self._draft(s)
             _sync(dev)
             t1 = time.perf_counter()
-            v = self._verify(s, proposal)
-            self._commit(s, v)
+            v = self.verify_step(s, proposal)
             _sync(dev)
+            t2 = time.perf_counter()
             stats.draft_s += t1 - t0
-            stats.verify_s += time.perf_counter() - t1
+            stats.verify_s += t2 - t1
+            if self.on_step is not None:  # timing hook (draftkit.inference.cost checks its verify costs by it)
+                self.on_step(proposal.tree, t1 - t0, t2 - t1)
             stats.record(v.offered, v.num_accepted, s.active, v.source)
             out_rows, n_rows = v.tokens.tolist(), v.num_accepted.tolist()
             for b in s.active.nonzero()[:, 0].tolist():
@@ -306,6 +309,14 @@ class SpecDecoder:
         w = int(tree.num_nodes.max())  # the verify is as wide as the longest chain
         tree = DraftTree(tree.tokens[:, :w], tree.parents[:, :w], tree.depth[:, :w], tree.source[:, :w])
         return Proposal(tree, None if probs is None else probs[:, :w])
+
+    def verify_step(self, s: LoopState, p: Proposal) -> Verdict:
+        """One step's verify as the loop's verify timer (SpecStats.verify_s) spans it: the forward
+        with the ancestor mask, the acceptance rule, the commit of the accepted path. The cost
+        model's calibration times this very function (cost._verify_fn)."""
+        v = self._verify(s, p)
+        self._commit(s, v)
+        return v
 
     def _verify(self, s: LoopState, p: Proposal) -> Verdict:
         """Feed [pending, nodes] in one forward (node at position next_pos + depth, seeing its
