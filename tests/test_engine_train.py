@@ -158,3 +158,34 @@ def test_engine_eval_serves_on_rank_0_and_the_others_wait(monkeypatch):
         me.eval_head = lambda me=me: loop.Trainer.eval_head(me)
         assert loop.Trainer.engine_eval_step(me, 3) == want
     assert calls == ["barrier", ("measure", head, ["p"], 3), "barrier"]
+
+
+@pytest.mark.parametrize("head, names", [
+    ({"type": "eagle"}, "the target tiny-llama-0 nor the eagle head"),  # its attention has the target's sizes
+    ({"type": "medusa", "num_heads": 2}, "the target tiny-llama-0: head_dim 8"),  # Medusa's heads: no attention
+])
+def test_a_head_size_vllm_cpu_cannot_run_is_refused_before_vllm_is_looked_for(head, names, tmp_path, monkeypatch):
+    """head_dim 8 (make_tiny_target) is not a size vLLM's CPU attention runs (vllm_data.CPU_HEAD_SIZES):
+    refused at preflight, one line naming head_dim and the sizes expected, before vLLM is looked for
+    (so before stage 1); with a CUDA device visible the rule is not applied (vLLM's GPU backends)."""
+    from draftkit.config import load_recipe
+    from draftkit.engines import vllm_train_eval
+    from draftkit.heads import build_head
+    from draftkit.schema import ConfigError
+    from tests.conftest import make_tiny_target
+
+    looked = []
+    monkeypatch.setattr(vllm_train_eval, "find_python", lambda *a: looked.append(a) or ev.find_python(sys.executable))
+    target = make_tiny_target()
+    recipe = load_recipe(None, ["train.engine_eval_every=2", "data.holdout=2"])
+    with pytest.raises(ConfigError) as e:
+        vllm_train_eval.preflight(recipe, target, build_head(head, target), tmp_path / "run")
+    msg = str(e.value)
+    assert msg.startswith(f"train.engine_eval_every=2: vLLM's CPU build cannot serve {names}"), msg
+    assert "head_dim 8 not in vLLM CPU's supported sizes (32, 64, 80," in msg and "\n" not in msg, msg
+    assert "train.engine_eval_every=0" in msg and looked == [], (msg, looked)
+    assert not list((tmp_path / "run").glob(".engine-eval-*"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA build: its backends, not this rule
+    with pytest.raises(ConfigError, match=r"train.engine_eval_every=2: vLLM not found"):
+        vllm_train_eval.preflight(recipe, target, build_head(head, target), tmp_path / "run")
+    assert len(looked) == 1

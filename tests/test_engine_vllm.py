@@ -408,3 +408,61 @@ def test_engine_at_t_gt_0_accepts_as_our_loop_under_vllms_rule(sampled_report):
     assert r["engine"]["head"][name]["accept_rate"][0] > 0.1  # accepts (as shipped: 0.011 here): not 0 == 0
     assert r["cpu_sampler_fix"] == {"head": "applied"}
     assert any("uninitialised memory" in n and "draftkit's correction" in n for n in r["notes"]), r["notes"]
+
+
+# ---- head sizes vLLM's CPU attention cannot run: refused before any work (vllm_data.cpu_refusal's rule) ----
+
+def test_cpu_serving_refusal_judges_the_target_and_the_drafter_each(tmp_path, monkeypatch):
+    """The target (vLLM serves it) and the drafter (its attention is built from the export's config.json)
+    are each judged; head_dim 64 passes, 8 is named with the sizes expected; a CUDA device: no rule."""
+    from draftkit.engines.vllm_eval import cpu_serving_refusal
+    from tests.conftest import make_tiny_target
+
+    small, servable = make_tiny_target(), make_tiny_target(hidden=256, heads=4, kv_heads=4)  # head_dim 8, 64
+    exports = {}
+    for name, t in (("small", small), ("servable", servable)):
+        build_head({"type": "eagle"}, t).save_pretrained(tmp_path / name)
+        exports[name] = export_head(tmp_path / name, "vllm", tmp_path / f"{name}-vllm", target=t)
+    assert cpu_serving_refusal(servable, exports["servable"]) is None
+    why = cpu_serving_refusal(servable, exports["small"])  # a served target, a drafter of head_dim 8
+    assert why == ("vLLM's CPU build cannot serve the eagle head (its vLLM export's config.json): head_dim 8 not in "
+                   "vLLM CPU's supported sizes (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)"), why
+    assert cpu_serving_refusal(small, exports["servable"]).startswith(
+        "vLLM's CPU build cannot serve the target tiny-llama-0: head_dim 8 not in")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # vLLM's GPU backends serve other sizes
+    assert cpu_serving_refusal(small, exports["small"]) is None
+
+
+def test_eval_engine_vllm_refuses_a_head_size_vllm_cpu_cannot_run_before_any_work(tmp_path, monkeypatch, capsys):
+    """`eval --engine vllm` on a head_dim-8 target and head: one error line naming head_dim and the sizes
+    expected, exit 2, before prompts are synthesized or anything is served (never vLLM's C++ error)."""
+    from draftkit.cli import main
+    import importlib
+
+    from draftkit.engines import vllm_eval
+    from tests.test_evaluate import chat_target
+
+    evaluate = importlib.import_module("draftkit.inference.evaluate")  # the module (the package exports a function)
+
+    from draftkit.target import load_target
+
+    target = chat_target()  # head_dim 8
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    build_head({"type": "eagle"}, load_target(str(tmp_path / "target"))).save_pretrained(tmp_path / "head")
+    work = []
+
+    def serve(*a, **kw):
+        work.append("serve")
+        raise ev.EngineError("vLLM failed: Unsupported CPU attention configuration: head_dim=8")
+
+    monkeypatch.setattr(ev, "find_python", lambda python=None: "/a/python/with/vllm")  # found; never started
+    monkeypatch.setattr(vllm_eval, "serve", serve)
+    monkeypatch.setattr(evaluate, "synthesize_prompts", lambda *a, **kw: work.append("synthesize") or [])
+    assert main(["eval", "--engine", "vllm", "--head", str(tmp_path / "head"), "--target", str(tmp_path / "target"),
+                 "--dtype", "float32", "--k", "2", "--out", str(tmp_path / "out")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln.lower() or "Traceback" in ln]
+    assert len(err) == 1 and err[0].startswith("draftkit eval: error: --engine vllm: vLLM's CPU build cannot serve "
+                                               f"the target {tmp_path / 'target'} nor the eagle head"), err
+    assert "head_dim 8 not in vLLM CPU's supported sizes (32, 64," in err[0] and "--engine draftkit" in err[0], err
+    assert work == [] and not (tmp_path / "out" / "engine_vllm.json").exists()

@@ -21,8 +21,9 @@ in (fp32 unless target.dtype resolves to another), and returns vLLM's own counte
 The other ranks do not serve: they wait at the barrier after the measurement (loop.py), as for
 train.eval_every. An engine that fails midway (EngineError) is logged as a warning and the record
 gets `engine_error`; training goes on. Everything that can be known before training (a Python with
-vLLM, a family vLLM serves, an export vLLM can load for this target, a local verifier directory) is
-checked by `preflight`, which raises ConfigError naming train.engine_eval_every.
+vLLM, a family vLLM serves, an export vLLM can load for this target, head sizes vLLM's CPU attention
+runs, a local verifier directory) is checked by `preflight`, which raises ConfigError naming
+train.engine_eval_every.
 """
 from __future__ import annotations
 
@@ -110,8 +111,11 @@ def prompt_ids(target, prompts, k: int, max_new_tokens: int) -> list[list[int]]:
 def preflight(recipe, target, head, run_dir: Path) -> EngineTrainEval:
     """Everything train.engine_eval_every needs, checked before training (ConfigError naming the
     setting): held-aside prompts, the current head exported to vLLM's layout (every export refusal:
-    MTP, Gemma targets, ...), vLLM found (engines/vllm.py: find_python), the family served
-    (speculative_config) and the export's verifier a local directory vLLM can load."""
+    MTP, Gemma targets, ...), a target and head vLLM's CPU build can serve (vllm_eval.cpu_serving_refusal:
+    attention head sizes; not judged where a CUDA device is visible), vLLM found (engines/vllm.py:
+    find_python), the family served (speculative_config) and the export's verifier a local directory
+    vLLM can load."""
+    from draftkit.engines.vllm_eval import CUDA_SERVES, cpu_serving_refusal
     from draftkit.export import ExportError
     from draftkit.inference.decoder import stop_token_ids
     from draftkit.schema import ConfigError
@@ -126,9 +130,12 @@ def preflight(recipe, target, head, run_dir: Path) -> EngineTrainEval:
     try:
         work = Path(tempfile.mkdtemp(prefix=".engine-eval-check-", dir=run_dir))
         try:
-            _, contract = export_now(head, target, work)  # ExportError: what vLLM's layout refuses
+            export, contract = export_now(head, target, work)  # ExportError: what vLLM's layout refuses
+            refusal = cpu_serving_refusal(target, export)  # head sizes vLLM's CPU attention cannot run
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        if refusal:
+            raise ValueError(f"{refusal}; {CUDA_SERVES}; set {FIELD}=0 to train without serving the head")
         python = find_python()
         k = contract["head"]["num_heads"] if head.family == "medusa" else t.eval_k  # as vllm_eval
         speculative_config(head.family, k, run_dir)  # ValueError: a family vLLM does not serve
