@@ -5,6 +5,8 @@ A tiny llama vLLM runs (tests/conftest.py: save_vllm_target) with the fixture to
 loop under vLLM's rule (fp32, T = 0, as tests/test_engine_vllm.py shows they do) run on the head of that
 very step (read back from the step's checkpoint) on the held-aside prompts, and the two steps' heads must
 accept differently there, so that a hook serving a stale export or another step's head logs other counts.
+A head one optimizer step early accepts the same, so each record also carries the digest of the weights
+vLLM was handed (engine_head_digest), which must equal the digest of that step's checkpoint, exported.
 For that the head must learn what carries over to prompts it never saw: on the random target as saved it
 does not (fitted to 0.73 training accuracy, it accepted nothing on the held-aside prompts), so the target's
 attention writes nothing into the residual stream (o_proj zeroed): its next token is a function of the
@@ -23,7 +25,7 @@ import torch
 
 from draftkit.engines import vllm as ev
 from draftkit.engines.vllm_eval import EngineEvalSettings, run_loop, run_name, served_head
-from draftkit.engines.vllm_train_eval import export_now, prompt_ids
+from draftkit.engines.vllm_train_eval import export_now, prompt_ids, weights_digest
 from tests.conftest import save_vllm_target, vllm_python
 from tests.test_train import FIXTURES, prompt_file, python_run, recipe_args  # noqa: F401 (prompt_file: a fixture)
 
@@ -73,14 +75,15 @@ def head_at(run: Path, step: int, target):
     return head.eval()
 
 
-def loop_under_engine_rule(head, target, prompts: list[list[int]], work: Path) -> dict:
-    """Our chain of K on the head vLLM serves (exported as the hook exports, imported back), T = 0, batch 1."""
+def loop_under_engine_rule(head, target, prompts: list[list[int]], work: Path) -> tuple[dict, str]:
+    """Our chain of K on the head vLLM serves (exported as the hook exports, imported back), T = 0, batch 1;
+    and the digest of that export's weights (vllm_train_eval.weights_digest, as the hook logs it)."""
     from draftkit.inference.decoder import stop_token_ids
 
     export, _ = export_now(head, target, work)
     s = EngineEvalSettings(k=K, max_new_tokens=N_NEW, batch_sizes=(1,))
     res = run_loop(target, served_head(export, target, work), prompts, s, K, stop_token_ids(target))
-    return ev.loop_figures(res[run_name(0.0, 1)]["stats"])
+    return ev.loop_figures(res[run_name(0.0, 1)]["stats"]), weights_digest(export)
 
 
 @pytest.mark.integration
@@ -98,7 +101,11 @@ def test_logged_engine_figures_are_that_steps_head_served(trained, target_dir, t
     assert len(prompts) == 4
     ours = {}
     for step, rec in logged.items():
-        f = ours[step] = loop_under_engine_rule(head_at(run, step, target), target, prompts, tmp_path / str(step))
+        f, digest = loop_under_engine_rule(head_at(run, step, target), target, prompts, tmp_path / str(step))
+        ours[step] = f
+        # the weights vLLM was handed are that step's checkpoint, bit for bit: a head served one optimizer
+        # step early (or late) accepts the same on these prompts, but its digest differs
+        assert rec["engine_head_digest"] == digest, (step, rec["engine_head_digest"], digest)
         got = {"drafts": rec["engine_drafts"], "accepted_per_pos": [rec[f"engine_accepted_{i + 1}"] for i in range(K)]}
         assert got == {"drafts": f["drafts"], "accepted_per_pos": f["accepted_per_pos"]}, (step, rec, f)
         assert rec["engine_tau"] == pytest.approx(f["tau"], abs=1e-9)

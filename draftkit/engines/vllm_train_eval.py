@@ -17,6 +17,8 @@ in (fp32 unless target.dtype resolves to another), and returns vLLM's own counte
   engine_accepted_<i> drafts whose first i tokens were all accepted (vLLM's accepted_per_pos[i-1])
   engine_drafts       (request, step) pairs that drafted
   engine_tokens_per_s vLLM's decoding rate on this machine (engine start not included)
+  engine_head_digest  sha256[:16] of the tensors of the export vLLM was handed (weights_digest): which
+                      head was served, comparable with the digest of the step's checkpoint, exported
 
 The other ranks do not serve: they wait at the barrier after the measurement (loop.py), as for
 train.eval_every. An engine that fails midway (EngineError) is logged as a warning and the record
@@ -67,12 +69,13 @@ class EngineTrainEval:
                                             stop_token_ids=self.stop_ids), batch_size=1)
             req = EngineRequest(self.model_dir, ids, [run], speculative_config(self.family, self.k, export),
                                 dtype=self.dtype)
+            served = {"engine_head_digest": weights_digest(export)}
             try:
                 result = serve(req, python=self.python)["runs"][0]
             except EngineError as e:
                 log.warning("%s: step %d: vLLM failed; training goes on: %s", FIELD, step, e)
-                return {"engine_error": str(e).splitlines()[0]}
-            return log_fields(engine_figures(result["counters"], self.k), result["tokens_per_s"])
+                return {"engine_error": str(e).splitlines()[0], **served}
+            return {**log_fields(engine_figures(result["counters"], self.k), result["tokens_per_s"]), **served}
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -87,6 +90,23 @@ def export_now(head, target, work: Path) -> tuple[Path, dict]:
     head.save_pretrained(work / "head")
     export, contract, _ = prepare_export(work / "head", target, work)
     return export, contract
+
+
+def weights_digest(export: Path) -> str:
+    """sha256[:16] over every tensor of an export's safetensors files, in name order (name, dtype,
+    shape, bytes): equal for equal weights whatever the file's layout, different for any change."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = {n: t for f in sorted(Path(export).glob("*.safetensors")) for n, t in load_file(f).items()}
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous().reshape(-1)
+        h.update(f"{name} {t.dtype} {tuple(tensors[name].shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def log_fields(f: dict, tokens_per_s: float) -> dict:
