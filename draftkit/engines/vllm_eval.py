@@ -371,7 +371,7 @@ def measure_engine_draft(args, target, export: Path, contract: dict, prompts, ou
 def run_cli(args) -> int:
     """`draftkit eval --engine vllm`: same prompts, --limit and sampling flags as eval."""
     from draftkit.engines.vllm import EngineError, EngineUnavailable, find_python
-    from draftkit.engines.vllm_auto import set_config_key
+    from draftkit.engines.vllm_auto import set_config_key, with_sglang
     from draftkit.export import ExportError
     from draftkit.heads.base import HeadError
     from draftkit.inference.drafters import DraftSettings
@@ -404,6 +404,7 @@ def run_cli(args) -> int:
             source = f"measured now in vLLM (written to {out / 'engine_draft.json'})"
             v = engine_draft["vllm"]
             k = v["num_speculative_tokens"] or v["best"]["k"]
+        engine_draft, draft_sources = with_sglang(engine_draft, source, head_dir)  # a reuse keeps SGLang's
         if engine_draft and export.resolve() != head_dir.resolve():  # the export eval made carries the choice
             set_config_key(export, engine_draft)
         if args.save_draft:
@@ -413,6 +414,8 @@ def run_cli(args) -> int:
             print(f"wrote the engine draft to {set_config_key(head_dir, engine_draft)} ({'engine_draft'})",
                   file=sys.stderr)
         _say_choice(engine_draft, k, source)
+        if "sglang" in draft_sources and draft_sources["sglang"] != source:
+            print(f"engine draft: SGLang's record from {draft_sources['sglang']}", file=sys.stderr)
         methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram), ("head", False)) if not off)
         s = EngineEvalSettings(k=k, temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens,
                                batch_sizes=(args.batch_size,), top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -423,7 +426,8 @@ def run_cli(args) -> int:
     except (EngineUnavailable, EngineError, ExportError, HeadError, TargetError, ValueError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
-    report.update(notes=notes + report["notes"], draft_source=source, engine_draft=engine_draft)
+    report.update(notes=notes + report["notes"], draft_source=source, engine_draft=engine_draft,
+                  engine_draft_source=draft_sources)
     atomic_write(out / "engine_vllm.json", json.dumps(report, indent=2, default=str))
     print(format_report(report))
     print(f"wrote {out / 'engine_vllm.json'}")
