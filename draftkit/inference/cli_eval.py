@@ -283,7 +283,7 @@ def reused_sglang(source: str, head_dir: Path | None, head_cfg: dict) -> dict | 
     for any other source (flags, defaults, measured)."""
     if head_dir is not None and source == str(Path(head_dir) / "config.json"):
         return (head_cfg.get(ENGINE_DRAFT_KEY) or {}).get("sglang")
-    if not Path(source).is_file():
+    if not (source.endswith(".json") and Path(source).is_file()):  # a draft.json / report.json, not "flags ..."
         return None
     return (read_draft_file(source).get(ENGINE_DRAFT_KEY) or {}).get("sglang")
 
