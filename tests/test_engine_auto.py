@@ -134,3 +134,45 @@ def test_the_engine_sweep_at_t_gt_0_serves_with_vllm_cpus_sampler_corrected(temp
 
     req = sweep_request("m", [[1, 2]], tmp_path, "eagle", [1, 3], SweepSettings(temperatures=temperatures), [2])
     assert req.to_json()["cpu_sampler_fix"] is fix
+
+
+def test_a_reused_draft_shape_brings_its_sglang_record_into_the_report_and_the_head(saved_fitted, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """--draft-from an earlier eval whose draft.json kept engine_draft.sglang beside the loop's shape:
+    nothing is measured, and that record goes into report.json (engine_draft_source naming the file)
+    and, with --save-draft, into the head; a later auto run reusing the head's draft: brings it from there."""
+    import shutil
+
+    from draftkit.export.serving import sglang_record
+    from draftkit.inference import calibrate as cal_mod
+    from draftkit.inference.cli_eval import DRAFT_FILE, draft_record
+    from draftkit.inference.cost import Candidate
+    from draftkit.inference.drafters import DraftSettings
+    from draftkit.target import load_target
+
+    monkeypatch.setattr(cal_mod, "auto_draft", lambda *a, **kw: pytest.fail("a reused shape measured again"))
+    head_dir, earlier = tmp_path / "head", tmp_path / "earlier"
+    shutil.copytree(saved_fitted / "head", head_dir)
+    earlier.mkdir()
+    target = load_target(str(saved_fitted / "target"), dtype="float32")
+    rows = [{"candidate": Candidate(4, 2, 6), "label": "tree 4x2 b6", "speedup": 1.3,
+             "by_temperature": {"0": {"speedup": 1.3}}}]
+    rec = sglang_record(rows, "eagle", PAYS, {"dtype": "float32", "prompts": 2})  # what the earlier eval measured
+    shape = DraftSettings(mode="chain", k=2, chosen_by="measured: earlier")
+    (earlier / DRAFT_FILE).write_text(json.dumps(draft_record(shape, head_dir, target, rec)))
+
+    def run(out, *flags):
+        assert cli(["eval", "--head", str(head_dir), "--target", str(saved_fitted / "target"), "--prompts",
+                    str(FIXTURES / "data" / "mtbench.jsonl"), "--limit", "1", "--max-new-tokens", "4", "--compare",
+                    "none", "--dtype", "float32", "--out", str(out), *flags]) == 0
+        return json.loads((out / "report.json").read_text()), capsys.readouterr().err
+
+    report, err = run(tmp_path / "reuse", "--draft-from", str(earlier), "--save-draft")
+    assert report["engine_draft"] == {"sglang": rec} and report["draft_source"] == str(earlier / DRAFT_FILE)
+    assert report["engine_draft_source"] == {"sglang": str(earlier / DRAFT_FILE)}
+    assert f"engine draft: SGLang's record from {earlier / DRAFT_FILE}" in err, err
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["engine_draft"] == {"sglang": rec} and (cfg["draft"]["mode"], cfg["draft"]["k"]) == ("chain", 2)
+    report, _ = run(tmp_path / "again")  # auto: the head's draft: (written above), and its SGLang record
+    assert report["engine_draft"] == {"sglang": rec}
+    assert report["engine_draft_source"] == {"sglang": str(head_dir / "config.json")}

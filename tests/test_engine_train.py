@@ -5,6 +5,8 @@ A tiny llama vLLM runs (tests/conftest.py: save_vllm_target) with the fixture to
 loop under vLLM's rule (fp32, T = 0, as tests/test_engine_vllm.py shows they do) run on the head of that
 very step (read back from the step's checkpoint) on the held-aside prompts, and the two steps' heads must
 accept differently there, so that a hook serving a stale export or another step's head logs other counts.
+A head one optimizer step early accepts the same, so each record also carries the digest of the weights
+vLLM was handed (engine_head_digest), which must equal the digest of that step's checkpoint, exported.
 For that the head must learn what carries over to prompts it never saw: on the random target as saved it
 does not (fitted to 0.73 training accuracy, it accepted nothing on the held-aside prompts), so the target's
 attention writes nothing into the residual stream (o_proj zeroed): its next token is a function of the
@@ -23,7 +25,7 @@ import torch
 
 from draftkit.engines import vllm as ev
 from draftkit.engines.vllm_eval import EngineEvalSettings, run_loop, run_name, served_head
-from draftkit.engines.vllm_train_eval import export_now, prompt_ids
+from draftkit.engines.vllm_train_eval import export_now, prompt_ids, weights_digest
 from tests.conftest import save_vllm_target, vllm_python
 from tests.test_train import FIXTURES, prompt_file, python_run, recipe_args  # noqa: F401 (prompt_file: a fixture)
 
@@ -73,14 +75,15 @@ def head_at(run: Path, step: int, target):
     return head.eval()
 
 
-def loop_under_engine_rule(head, target, prompts: list[list[int]], work: Path) -> dict:
-    """Our chain of K on the head vLLM serves (exported as the hook exports, imported back), T = 0, batch 1."""
+def loop_under_engine_rule(head, target, prompts: list[list[int]], work: Path) -> tuple[dict, str]:
+    """Our chain of K on the head vLLM serves (exported as the hook exports, imported back), T = 0, batch 1;
+    and the digest of that export's weights (vllm_train_eval.weights_digest, as the hook logs it)."""
     from draftkit.inference.decoder import stop_token_ids
 
     export, _ = export_now(head, target, work)
     s = EngineEvalSettings(k=K, max_new_tokens=N_NEW, batch_sizes=(1,))
     res = run_loop(target, served_head(export, target, work), prompts, s, K, stop_token_ids(target))
-    return ev.loop_figures(res[run_name(0.0, 1)]["stats"])
+    return ev.loop_figures(res[run_name(0.0, 1)]["stats"]), weights_digest(export)
 
 
 @pytest.mark.integration
@@ -98,7 +101,11 @@ def test_logged_engine_figures_are_that_steps_head_served(trained, target_dir, t
     assert len(prompts) == 4
     ours = {}
     for step, rec in logged.items():
-        f = ours[step] = loop_under_engine_rule(head_at(run, step, target), target, prompts, tmp_path / str(step))
+        f, digest = loop_under_engine_rule(head_at(run, step, target), target, prompts, tmp_path / str(step))
+        ours[step] = f
+        # the weights vLLM was handed are that step's checkpoint, bit for bit: a head served one optimizer
+        # step early (or late) accepts the same on these prompts, but its digest differs
+        assert rec["engine_head_digest"] == digest, (step, rec["engine_head_digest"], digest)
         got = {"drafts": rec["engine_drafts"], "accepted_per_pos": [rec[f"engine_accepted_{i + 1}"] for i in range(K)]}
         assert got == {"drafts": f["drafts"], "accepted_per_pos": f["accepted_per_pos"]}, (step, rec, f)
         assert rec["engine_tau"] == pytest.approx(f["tau"], abs=1e-9)
@@ -158,3 +165,34 @@ def test_engine_eval_serves_on_rank_0_and_the_others_wait(monkeypatch):
         me.eval_head = lambda me=me: loop.Trainer.eval_head(me)
         assert loop.Trainer.engine_eval_step(me, 3) == want
     assert calls == ["barrier", ("measure", head, ["p"], 3), "barrier"]
+
+
+@pytest.mark.parametrize("head, names", [
+    ({"type": "eagle"}, "the target tiny-llama-0 nor the eagle head"),  # its attention has the target's sizes
+    ({"type": "medusa", "num_heads": 2}, "the target tiny-llama-0: head_dim 8"),  # Medusa's heads: no attention
+])
+def test_a_head_size_vllm_cpu_cannot_run_is_refused_before_vllm_is_looked_for(head, names, tmp_path, monkeypatch):
+    """head_dim 8 (make_tiny_target) is not a size vLLM's CPU attention runs (vllm_data.CPU_HEAD_SIZES):
+    refused at preflight, one line naming head_dim and the sizes expected, before vLLM is looked for
+    (so before stage 1); with a CUDA device visible the rule is not applied (vLLM's GPU backends)."""
+    from draftkit.config import load_recipe
+    from draftkit.engines import vllm_train_eval
+    from draftkit.heads import build_head
+    from draftkit.schema import ConfigError
+    from tests.conftest import make_tiny_target
+
+    looked = []
+    monkeypatch.setattr(vllm_train_eval, "find_python", lambda *a: looked.append(a) or ev.find_python(sys.executable))
+    target = make_tiny_target()
+    recipe = load_recipe(None, ["train.engine_eval_every=2", "data.holdout=2"])
+    with pytest.raises(ConfigError) as e:
+        vllm_train_eval.preflight(recipe, target, build_head(head, target), tmp_path / "run")
+    msg = str(e.value)
+    assert msg.startswith(f"train.engine_eval_every=2: vLLM's CPU build cannot serve {names}"), msg
+    assert "head_dim 8 not in vLLM CPU's supported sizes (32, 64, 80," in msg and "\n" not in msg, msg
+    assert "train.engine_eval_every=0" in msg and looked == [], (msg, looked)
+    assert not list((tmp_path / "run").glob(".engine-eval-*"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA build: its backends, not this rule
+    with pytest.raises(ConfigError, match=r"train.engine_eval_every=2: vLLM not found"):
+        vllm_train_eval.preflight(recipe, target, build_head(head, target), tmp_path / "run")
+    assert len(looked) == 1

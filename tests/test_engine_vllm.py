@@ -408,3 +408,118 @@ def test_engine_at_t_gt_0_accepts_as_our_loop_under_vllms_rule(sampled_report):
     assert r["engine"]["head"][name]["accept_rate"][0] > 0.1  # accepts (as shipped: 0.011 here): not 0 == 0
     assert r["cpu_sampler_fix"] == {"head": "applied"}
     assert any("uninitialised memory" in n and "draftkit's correction" in n for n in r["notes"]), r["notes"]
+
+
+# ---- head sizes vLLM's CPU attention cannot run: refused before any work (vllm_data.cpu_refusal's rule) ----
+
+def test_cpu_serving_refusal_judges_the_target_and_the_drafter_each(tmp_path, monkeypatch):
+    """The target (vLLM serves it) and the drafter (its attention is built from the export's config.json)
+    are each judged; head_dim 64 passes, 8 is named with the sizes expected; a CUDA device: no rule."""
+    from draftkit.engines.vllm_eval import cpu_serving_refusal
+    from tests.conftest import make_tiny_target
+
+    small, servable = make_tiny_target(), make_tiny_target(hidden=256, heads=4, kv_heads=4)  # head_dim 8, 64
+    exports = {}
+    for name, t in (("small", small), ("servable", servable)):
+        build_head({"type": "eagle"}, t).save_pretrained(tmp_path / name)
+        exports[name] = export_head(tmp_path / name, "vllm", tmp_path / f"{name}-vllm", target=t)
+    assert cpu_serving_refusal(servable, exports["servable"]) is None
+    why = cpu_serving_refusal(servable, exports["small"])  # a served target, a drafter of head_dim 8
+    assert why == ("vLLM's CPU build cannot serve the eagle head (its vLLM export's config.json): head_dim 8 not in "
+                   "vLLM CPU's supported sizes (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)"), why
+    assert cpu_serving_refusal(small, exports["servable"]).startswith(
+        "vLLM's CPU build cannot serve the target tiny-llama-0: head_dim 8 not in")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # vLLM's GPU backends serve other sizes
+    assert cpu_serving_refusal(small, exports["small"]) is None
+
+
+def test_eval_engine_vllm_refuses_a_head_size_vllm_cpu_cannot_run_before_any_work(tmp_path, monkeypatch, capsys):
+    """`eval --engine vllm` on a head_dim-8 target and head: one error line naming head_dim and the sizes
+    expected, exit 2, before prompts are synthesized or anything is served (never vLLM's C++ error)."""
+    from draftkit.cli import main
+    import importlib
+
+    from draftkit.engines import vllm_eval
+    from tests.test_evaluate import chat_target
+
+    evaluate = importlib.import_module("draftkit.inference.evaluate")  # the module (the package exports a function)
+
+    from draftkit.target import load_target
+
+    target = chat_target()  # head_dim 8
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    build_head({"type": "eagle"}, load_target(str(tmp_path / "target"))).save_pretrained(tmp_path / "head")
+    work = []
+
+    def serve(*a, **kw):
+        work.append("serve")
+        raise ev.EngineError("vLLM failed: Unsupported CPU attention configuration: head_dim=8")
+
+    monkeypatch.setattr(ev, "find_python", lambda python=None: "/a/python/with/vllm")  # found; never started
+    monkeypatch.setattr(vllm_eval, "serve", serve)
+    monkeypatch.setattr(evaluate, "synthesize_prompts", lambda *a, **kw: work.append("synthesize") or [])
+    assert main(["eval", "--engine", "vllm", "--head", str(tmp_path / "head"), "--target", str(tmp_path / "target"),
+                 "--dtype", "float32", "--k", "2", "--out", str(tmp_path / "out")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln.lower() or "Traceback" in ln]
+    assert len(err) == 1 and err[0].startswith("draftkit eval: error: --engine vllm: vLLM's CPU build cannot serve "
+                                               f"the target {tmp_path / 'target'} nor the eagle head"), err
+    assert "head_dim 8 not in vLLM CPU's supported sizes (32, 64," in err[0] and "--engine draftkit" in err[0], err
+    assert work == [] and not (tmp_path / "out" / "engine_vllm.json").exists()
+
+
+def test_a_reused_vllm_choice_keeps_the_sglang_record_the_head_carries(tmp_path, monkeypatch, capsys):
+    """The loop's --save-draft left engine_draft.sglang in the head; --draft-from an engine_draft.json
+    with only a vLLM choice: the choice written into the export and (--save-draft) the head keeps the
+    head's SGLang record, and the report names where each came from. engine_eval is replaced by a probe
+    that serves nothing: what is under test is the choice eval settles before serving."""
+    from transformers import AutoTokenizer
+
+    from draftkit.cli import main
+    from draftkit.engines import vllm_eval
+    from draftkit.engines.vllm_auto import ENGINE_DRAFT_FILE, SweepSettings, choice_file, vllm_record, with_sglang
+    from draftkit.export.serving import sglang_record
+    from draftkit.inference.cli_eval import write_head_draft
+    from draftkit.inference.cost import Candidate
+    from draftkit.inference.drafters import DraftSettings
+    from draftkit.target import load_target
+    from tests.conftest import save_vllm_target
+    from tests.test_evaluate import FIXTURES
+
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer")  # head_dim 64: vLLM CPU serves it
+    save_vllm_target(tmp_path / "target", vocab_size=len(tok), tokenizer=tok, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    target = load_target(str(tmp_path / "target"), dtype="float32")
+    head_dir, earlier, out = tmp_path / "head", tmp_path / "earlier", tmp_path / "out"
+    build_head({"type": "eagle"}, target).save_pretrained(head_dir)
+    tree = [{"candidate": Candidate(4, 2, 6), "label": "tree 4x2 b6", "speedup": 1.3, "by_temperature": {}}]
+    sglang = sglang_record(tree, "eagle", 1.05, {"dtype": "float32"})
+    write_head_draft(head_dir, DraftSettings(mode="chain", k=2), tmp_path, sglang)  # the loop's --save-draft
+    rows = [{"k": k, "speedup": sp, "by_temperature": {"T=0": {"tok_s": 20 * sp, "speedup": sp, "tau": 1.5,
+                                                              "alpha": [0.5] * k, "counters": {}}}}
+            for k, sp in ((1, 0.9), (2, 1.2))]
+    vllm = vllm_record("eagle", {"vllm_version": "0.32.0", "plain": {"T=0": 20.0}, "rows": rows}, SweepSettings(), 4)
+    earlier.mkdir()
+    (earlier / ENGINE_DRAFT_FILE).write_text(json.dumps(choice_file({"vllm": vllm}, head_dir, target)))
+    served = []
+
+    def probe(target, export, ids, s):
+        served.append((export, s.k))
+        return {"family": "eagle", "k": s.k, "export": str(export), "vllm_version": None, "notes": [], "engine": {},
+                "loop": {}, "comparison": {}, "failures": [], "ok": True}
+
+    monkeypatch.setattr(ev, "find_python", lambda python=None: "/a/python/with/vllm")
+    monkeypatch.setattr(vllm_eval, "engine_eval", probe)
+    assert main(["eval", "--engine", "vllm", "--head", str(head_dir), "--target", str(tmp_path / "target"),
+                 "--prompts", str(FIXTURES / "data" / "mtbench.jsonl"), "--limit", "1", "--dtype", "float32",
+                 "--draft-from", str(earlier), "--save-draft", "--out", str(out)]) == 0
+    assert served == [(out / "vllm-export", 2)]  # the reused chain
+    want = {"vllm": vllm, "sglang": sglang}
+    assert json.loads((head_dir / "config.json").read_text())["engine_draft"] == want
+    assert json.loads((out / "vllm-export" / "config.json").read_text())["draftkit_contract"]["engine_draft"] == want
+    report = json.loads((out / "engine_vllm.json").read_text())
+    assert report["engine_draft"] == want and report["engine_draft_source"] == {
+        "vllm": str(earlier), "sglang": str(head_dir / "config.json")}, report["engine_draft_source"]
+    assert f"engine draft: SGLang's record from {head_dir / 'config.json'}" in capsys.readouterr().err
+    own = {"vllm": vllm, "sglang": {**sglang, "choice": "plain"}}  # a choice with its own record keeps it
+    assert with_sglang(own, "src", head_dir) == (own, {"vllm": "src", "sglang": "src"})

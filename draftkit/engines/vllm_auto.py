@@ -21,7 +21,9 @@ draft.json): --out/engine_draft.json, and the contract of the export eval serves
 --save-draft also sets `engine_draft` in the head's config.json (a native head: `draftkit export`
 carries it into every export's contract) or in a vLLM export's contract. --draft auto reuses a saved
 choice (--draft-from, the head's engine_draft, --out/engine_draft.json for the same head, target,
-dtype and device) before measuring again; --draft calibrate always measures.
+dtype and device) before measuring again; --draft calibrate always measures. A reused choice keeps its
+SGLang record, or takes the head's (with_sglang); the report names where each came from
+(engine_draft_source).
 """
 from __future__ import annotations
 
@@ -266,3 +268,19 @@ def saved_choice(draft_from: str | None, head_dir: Path, out: Path, target) -> t
         print(f"note: {previous} was measured for another head, target, dtype or device: measuring again",
               file=sys.stderr)
     return None, "none"
+
+
+def with_sglang(engine_draft: dict | None, source: str, head_dir: Path) -> tuple[dict | None, dict]:
+    """(engine_draft, where each engine's record came from) for a choice eval serves: a choice with
+    its own SGLang record keeps it; a reused vLLM choice without one takes the head's (the loop's
+    `draftkit eval --save-draft` keeps engine_draft.sglang in the head's config.json), so that writing
+    the reused choice into the export or the head never drops it."""
+    if not engine_draft:
+        return engine_draft, {}
+    sources = {"vllm": source}
+    if engine_draft.get("sglang"):
+        return engine_draft, {**sources, "sglang": source}
+    own = stored_choice(head_dir) if (Path(head_dir) / "config.json").is_file() else None
+    if own and own.get("sglang"):
+        return {**engine_draft, "sglang": own["sglang"]}, {**sources, "sglang": str(Path(head_dir) / "config.json")}
+    return engine_draft, sources

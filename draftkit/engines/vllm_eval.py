@@ -89,6 +89,30 @@ def prepare_export(head_dir: Path, target, work: Path) -> tuple[Path, dict, list
     return out, contract, notes
 
 
+CUDA_SERVES = "a CUDA build of vLLM serves other head sizes"
+
+
+def cpu_serving_refusal(target, export: Path) -> str | None:
+    """Why vLLM's CPU build cannot serve this vLLM export on this target, or None (it can, or a CUDA
+    device is visible). One rule, vllm_data.cpu_refusal (the attention head sizes vLLM's CPU backend
+    runs), judged on the target's config (vLLM serves the target) and on the drafter's: the export's
+    config.json, which vLLM builds the drafter's attention from (Medusa's heads have none)."""
+    from types import SimpleNamespace
+
+    from draftkit.engines.vllm_data import cpu_refusal
+
+    cfg = json.loads((Path(export) / "config.json").read_text())
+    family = (cfg.get("draftkit_contract") or {}).get("family", "draft")
+    target_why = cpu_refusal(getattr(target, "config", None))
+    head_why = cpu_refusal(SimpleNamespace(**cfg)) if cfg.get("num_attention_heads") else None
+    if target_why and head_why == target_why:
+        return (f"vLLM's CPU build cannot serve the target {target.name} nor the {family} head (its attention takes "
+                f"the target's sizes): {target_why}")
+    parts = ([f"the target {target.name}: {target_why}"] if target_why else []) + (
+        [f"the {family} head (its vLLM export's config.json): {head_why}"] if head_why else [])
+    return f"vLLM's CPU build cannot serve {'; nor '.join(parts)}" if parts else None
+
+
 def verifier_dir(contract: dict, model_dir: str | None = None) -> str:
     """The target directory vLLM loads: model_dir, else the verifier the export's contract names."""
     model_dir = model_dir or (contract.get("verifier") or {}).get("name_or_path")
@@ -347,7 +371,7 @@ def measure_engine_draft(args, target, export: Path, contract: dict, prompts, ou
 def run_cli(args) -> int:
     """`draftkit eval --engine vllm`: same prompts, --limit and sampling flags as eval."""
     from draftkit.engines.vllm import EngineError, EngineUnavailable, find_python
-    from draftkit.engines.vllm_auto import set_config_key
+    from draftkit.engines.vllm_auto import set_config_key, with_sglang
     from draftkit.export import ExportError
     from draftkit.heads.base import HeadError
     from draftkit.inference.drafters import DraftSettings
@@ -364,18 +388,23 @@ def run_cli(args) -> int:
         target = load_target(args.target, dtype=args.dtype)
         head_dir = _head_dir(args.head)
         k, source, engine_draft = engine_draft_choice(args, head_dir, out, target)
+        out.mkdir(parents=True, exist_ok=True)
+        export, contract, notes = prepare_export(head_dir, target, out)  # --out/vllm-export (or the export itself)
+        refusal = cpu_serving_refusal(target, export)  # before any prompt is synthesized or served
+        if refusal:
+            raise ValueError(f"--engine vllm: {refusal}; {CUDA_SERVES}; --engine draftkit measures the head in "
+                             "draftkit's own loop")
         prompts = [p for f in args.prompts or [] for p in read_prompt_file(f)]
         if not args.prompts:
             prompts = synthesize_prompts(target, args.num_synthesized, args.seed, progress=True)
         prompts = prompts[: args.limit]
         ids = [i for i in (encode(target.tokenizer, p) for p in prompts) if i]
-        out.mkdir(parents=True, exist_ok=True)
-        export, contract, notes = prepare_export(head_dir, target, out)  # --out/vllm-export (or the export itself)
         if k is None:
             engine_draft = measure_engine_draft(args, target, export, contract, prompts, out, python)
             source = f"measured now in vLLM (written to {out / 'engine_draft.json'})"
             v = engine_draft["vllm"]
             k = v["num_speculative_tokens"] or v["best"]["k"]
+        engine_draft, draft_sources = with_sglang(engine_draft, source, head_dir)  # a reuse keeps SGLang's
         if engine_draft and export.resolve() != head_dir.resolve():  # the export eval made carries the choice
             set_config_key(export, engine_draft)
         if args.save_draft:
@@ -385,6 +414,8 @@ def run_cli(args) -> int:
             print(f"wrote the engine draft to {set_config_key(head_dir, engine_draft)} ({'engine_draft'})",
                   file=sys.stderr)
         _say_choice(engine_draft, k, source)
+        if "sglang" in draft_sources and draft_sources["sglang"] != source:
+            print(f"engine draft: SGLang's record from {draft_sources['sglang']}", file=sys.stderr)
         methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram), ("head", False)) if not off)
         s = EngineEvalSettings(k=k, temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens,
                                batch_sizes=(args.batch_size,), top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -395,7 +426,8 @@ def run_cli(args) -> int:
     except (EngineUnavailable, EngineError, ExportError, HeadError, TargetError, ValueError) as e:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
-    report.update(notes=notes + report["notes"], draft_source=source, engine_draft=engine_draft)
+    report.update(notes=notes + report["notes"], draft_source=source, engine_draft=engine_draft,
+                  engine_draft_source=draft_sources)
     atomic_write(out / "engine_vllm.json", json.dumps(report, indent=2, default=str))
     print(format_report(report))
     print(f"wrote {out / 'engine_vllm.json'}")

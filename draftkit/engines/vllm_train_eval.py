@@ -17,12 +17,15 @@ in (fp32 unless target.dtype resolves to another), and returns vLLM's own counte
   engine_accepted_<i> drafts whose first i tokens were all accepted (vLLM's accepted_per_pos[i-1])
   engine_drafts       (request, step) pairs that drafted
   engine_tokens_per_s vLLM's decoding rate on this machine (engine start not included)
+  engine_head_digest  sha256[:16] of the tensors of the export vLLM was handed (weights_digest): which
+                      head was served, comparable with the digest of the step's checkpoint, exported
 
 The other ranks do not serve: they wait at the barrier after the measurement (loop.py), as for
 train.eval_every. An engine that fails midway (EngineError) is logged as a warning and the record
 gets `engine_error`; training goes on. Everything that can be known before training (a Python with
-vLLM, a family vLLM serves, an export vLLM can load for this target, a local verifier directory) is
-checked by `preflight`, which raises ConfigError naming train.engine_eval_every.
+vLLM, a family vLLM serves, an export vLLM can load for this target, head sizes vLLM's CPU attention
+runs, a local verifier directory) is checked by `preflight`, which raises ConfigError naming
+train.engine_eval_every.
 """
 from __future__ import annotations
 
@@ -66,12 +69,13 @@ class EngineTrainEval:
                                             stop_token_ids=self.stop_ids), batch_size=1)
             req = EngineRequest(self.model_dir, ids, [run], speculative_config(self.family, self.k, export),
                                 dtype=self.dtype)
+            served = {"engine_head_digest": weights_digest(export)}
             try:
                 result = serve(req, python=self.python)["runs"][0]
             except EngineError as e:
                 log.warning("%s: step %d: vLLM failed; training goes on: %s", FIELD, step, e)
-                return {"engine_error": str(e).splitlines()[0]}
-            return log_fields(engine_figures(result["counters"], self.k), result["tokens_per_s"])
+                return {"engine_error": str(e).splitlines()[0], **served}
+            return {**log_fields(engine_figures(result["counters"], self.k), result["tokens_per_s"]), **served}
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -86,6 +90,23 @@ def export_now(head, target, work: Path) -> tuple[Path, dict]:
     head.save_pretrained(work / "head")
     export, contract, _ = prepare_export(work / "head", target, work)
     return export, contract
+
+
+def weights_digest(export: Path) -> str:
+    """sha256[:16] over every tensor of an export's safetensors files, in name order (name, dtype,
+    shape, bytes): equal for equal weights whatever the file's layout, different for any change."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = {n: t for f in sorted(Path(export).glob("*.safetensors")) for n, t in load_file(f).items()}
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous().reshape(-1)
+        h.update(f"{name} {t.dtype} {tuple(tensors[name].shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def log_fields(f: dict, tokens_per_s: float) -> dict:
@@ -110,8 +131,11 @@ def prompt_ids(target, prompts, k: int, max_new_tokens: int) -> list[list[int]]:
 def preflight(recipe, target, head, run_dir: Path) -> EngineTrainEval:
     """Everything train.engine_eval_every needs, checked before training (ConfigError naming the
     setting): held-aside prompts, the current head exported to vLLM's layout (every export refusal:
-    MTP, Gemma targets, ...), vLLM found (engines/vllm.py: find_python), the family served
-    (speculative_config) and the export's verifier a local directory vLLM can load."""
+    MTP, Gemma targets, ...), a target and head vLLM's CPU build can serve (vllm_eval.cpu_serving_refusal:
+    attention head sizes; not judged where a CUDA device is visible), vLLM found (engines/vllm.py:
+    find_python), the family served (speculative_config) and the export's verifier a local directory
+    vLLM can load."""
+    from draftkit.engines.vllm_eval import CUDA_SERVES, cpu_serving_refusal
     from draftkit.export import ExportError
     from draftkit.inference.decoder import stop_token_ids
     from draftkit.schema import ConfigError
@@ -126,9 +150,12 @@ def preflight(recipe, target, head, run_dir: Path) -> EngineTrainEval:
     try:
         work = Path(tempfile.mkdtemp(prefix=".engine-eval-check-", dir=run_dir))
         try:
-            _, contract = export_now(head, target, work)  # ExportError: what vLLM's layout refuses
+            export, contract = export_now(head, target, work)  # ExportError: what vLLM's layout refuses
+            refusal = cpu_serving_refusal(target, export)  # head sizes vLLM's CPU attention cannot run
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        if refusal:
+            raise ValueError(f"{refusal}; {CUDA_SERVES}; set {FIELD}=0 to train without serving the head")
         python = find_python()
         k = contract["head"]["num_heads"] if head.family == "medusa" else t.eval_k  # as vllm_eval
         speculative_config(head.family, k, run_dir)  # ValueError: a family vLLM does not serve

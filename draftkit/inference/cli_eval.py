@@ -23,7 +23,9 @@ Beside it, a measurement with nothing fixed records `engine_draft.sglang` (expor
 sglang_from_calibration): the best SGLang-valid tree of the same calibration's ranking, under
 SGLang's rule, labelled not engine-measured; --save-draft writes it into the head's config.json
 too (keeping a vLLM choice there), so `draftkit export` carries it and `draftkit inspect` prints
-its SGLang flags.
+its SGLang flags. A shape reused as is (--draft-from, the head's draft:, --out/draft.json) brings the
+SGLang record kept beside it (reused_sglang) into the report and, with --save-draft, the head;
+report.json's `engine_draft_source` names where it came from.
 """
 from __future__ import annotations
 
@@ -275,6 +277,17 @@ def saved_choice(args, head_dir: Path, head_cfg: dict, target) -> tuple[DraftSet
     return None, "none"
 
 
+def reused_sglang(source: str, head_dir: Path | None, head_cfg: dict) -> dict | None:
+    """engine_draft.sglang kept beside the draft shape eval reuses as is (source: the saved choice's
+    path, from saved_choice): the head's config.json's, or that draft.json's / report.json's; None
+    for any other source (flags, defaults, measured)."""
+    if head_dir is not None and source == str(Path(head_dir) / "config.json"):
+        return (head_cfg.get(ENGINE_DRAFT_KEY) or {}).get("sglang")
+    if not (source.endswith(".json") and Path(source).is_file()):  # a draft.json / report.json, not "flags ..."
+        return None
+    return (read_draft_file(source).get(ENGINE_DRAFT_KEY) or {}).get("sglang")
+
+
 def decide_draft(args, head, head_dir, head_cfg, target) -> tuple[DraftSettings, str, bool]:
     """(settings, draft_source, needs_measuring) for the head (None: lookup alone, never measured)."""
     saved, source = (None, "none")
@@ -363,7 +376,7 @@ def run(args) -> int:
     if getattr(args, "engine", "draftkit") == "vllm":
         from draftkit.engines.vllm_eval import run_cli
         return run_cli(args)
-    out, sglang = Path(args.out), None
+    out, sglang, sglang_source = Path(args.out), None, None
     try:
         target, head, head_dir, head_cfg, prompts = load_everything(args)
         draft, source, measure = decide_draft(args, head, head_dir, head_cfg, target)
@@ -378,12 +391,16 @@ def run(args) -> int:
             draft, cal = calibrate(target, head, prompts, settings, args.calibration_prompts, args.calibration_budget,
                                    space=space)
             settings, source = replace(settings, draft=draft), f"measured now (written to {out / DRAFT_FILE})"
-            sglang = loop_sglang(cal, head, target, settings, space)
+            sglang, sglang_source = loop_sglang(cal, head, target, settings, space), source
             if sglang:
                 print(sglang_summary(sglang), file=sys.stderr)
             out.mkdir(parents=True, exist_ok=True)
             atomic_write(out / DRAFT_FILE, json.dumps(draft_record(draft, head_dir, target, sglang), indent=2,
                                                       default=str))
+        elif head is not None:  # a reused shape brings the SGLang record kept beside it
+            sglang, sglang_source = reused_sglang(source, head_dir, head_cfg), source
+            if sglang:
+                print(f"engine draft: SGLang's record from {source}", file=sys.stderr)
         print(f"draft: {draft.describe() if head is not None else 'lookup'} (from {source})", file=sys.stderr)
         if args.save_draft:
             if head is None:
@@ -400,7 +417,9 @@ def run(args) -> int:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
     report.update(head_dir=str(head_dir) if head_dir else None, prompt_files=args.prompts, draft_source=source,
-                  dtype_choice=target.dtype_choice, **({ENGINE_DRAFT_KEY: {"sglang": sglang}} if sglang else {}))
+                  dtype_choice=target.dtype_choice, **({ENGINE_DRAFT_KEY: {"sglang": sglang},
+                                                        "engine_draft_source": {"sglang": sglang_source}}
+                                                       if sglang else {}))
     paths = write_report(report, out)
     print(format_table(report))
     if not report["lossless"]:
