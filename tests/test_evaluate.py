@@ -624,8 +624,8 @@ def test_a_saved_choice_is_reused_only_for_the_setup_it_was_measured_on(target, 
 def test_calibration_prompts_are_spread_over_the_list_in_turn_from_each_category():
     """--calibration-prompts N (help: 'spread evenly over the prompt list, in turn from each
     category'): every category is drawn in turn, each category's picks spread over its own prompts
-    (not its first ones), and `skip` is honoured. (Not asserted, a known gap in calibrate.py: where
-    a category holds fewer prompts than its share, picks repeat and others are never taken.)"""
+    (not its first ones), `skip` is honoured, and a category holding fewer prompts than its share
+    gives each of them once (never a repeat while another is left out)."""
     from draftkit.inference.calibrate import calibration_prompts
 
     items = [{"ids": [c, i], "category": c} for c, n in ((1, 6), (2, 2), (3, 1)) for i in range(n)]
@@ -633,6 +633,8 @@ def test_calibration_prompts_are_spread_over_the_list_in_turn_from_each_category
     assert calibration_prompts(items, 3, skip={(1, 0), (3, 0)}) == [[1, 1], [2, 0], [1, 3]]  # 2 categories left
     one = [{"ids": [i], "category": "all"} for i in range(10)]
     assert calibration_prompts(one, 3) == [[0], [3], [6]]  # one category: spread over the list
+    three = [{"ids": [i], "category": "all"} for i in range(3)]
+    assert calibration_prompts(three, 4) == [[0], [1], [2]]  # fewer than asked: each once, none repeated
 
 
 def test_calibration_profiles_at_the_temperatures_eval_runs(target, fitted, capsys):

@@ -38,8 +38,9 @@ def calibration_prompts(items: list[dict], n: int, skip: set | None = None) -> l
     picks = []
     for j in range(max(counts, default=0)):  # round j: the j-th pick of every category that has one
         for c, k in zip(cats, counts):
-            if j < min(k, len(c)):
-                picks.append(c[j * len(c) // k])
+            m = min(k, len(c))  # a category smaller than its share gives each of its prompts once
+            if j < m:
+                picks.append(c[j * len(c) // m])
     return picks
 
 
