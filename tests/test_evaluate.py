@@ -140,6 +140,30 @@ def test_greedy_check_where_drafts_are_accepted(target, fitted, monkeypatch, tmp
     assert rep["greedy_failures"][0] in md
 
 
+def test_cli_exits_1_when_a_lossless_t0_run_differs_from_plain_decoding(saved, target, fitted, monkeypatch, capsys, tmp_path):
+    """draftkit eval at T = 0 with lossless acceptance: a difference from plain decoding outside the
+    near-tie gap is a bug, so eval says so in one error line and exits 1 (the report is still
+    written); the same run without the planted token exits 0."""
+    from draftkit.inference.decoder import SpecDecoder
+
+    fitted.save_pretrained(tmp_path / "head")
+    args = ["eval", "--head", str(tmp_path / "head"), "--target", str(saved / "target"), "--prompts",
+            str(FIXTURES / "data" / "mtbench.jsonl"), "--limit", "2", "--max-new-tokens", "8", "--k", "2",
+            "--dtype", "float32", "--out", str(tmp_path / "out")]
+    assert cli(args) == 0
+    capsys.readouterr()
+    real = SpecDecoder.generate
+
+    def one_wrong_token(self, *a, **kw):  # the 6th new token of every row off by one
+        outs, stats = real(self, *a, **kw)
+        return [o[:5] + [(o[5] + 1) % target.vocab_size] + o[6:] if len(o) > 5 else o for o in outs], stats
+    monkeypatch.setattr(SpecDecoder, "generate", one_wrong_token)
+    assert cli(args) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("draftkit eval: error:")]
+    assert len(err) == 1 and "outside the near-tie gap" in err[0] and "a bug under lossless acceptance" in err[0], err
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["greedy_failures"]
+
+
 def test_training_time_mode_is_cheap(target):
     head = build_head({"type": "eagle"}, target)
     rep = evaluate(target, head, ["Say hi.", [5, 6, 7, 8]], chain(2, (), max_new_tokens=6))

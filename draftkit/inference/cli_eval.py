@@ -430,4 +430,10 @@ def run(args) -> int:
         print(f"draftkit eval: stopped midway ({report['error']}); the partial report covers what finished",
               file=sys.stderr)
         return 1
+    fails = report.get("greedy_failures") or []
+    if report.get("lossless", True) and fails:  # lossless acceptance must give the target's own T = 0 tokens
+        print(f"draftkit eval: error: {len(fails)} T = 0 difference(s) from plain decoding outside the near-tie "
+              f"gap ({report.get('greedy_tie_gap')} nats of the float32 top): a bug under lossless acceptance; "
+              f"the first: {fails[0]} (all in report.md)", file=sys.stderr)
+        return 1
     return 0
