@@ -523,3 +523,22 @@ def test_a_reused_vllm_choice_keeps_the_sglang_record_the_head_carries(tmp_path,
     assert f"engine draft: SGLang's record from {head_dir / 'config.json'}" in capsys.readouterr().err
     own = {"vllm": vllm, "sglang": {**sglang, "choice": "plain"}}  # a choice with its own record keeps it
     assert with_sglang(own, "src", head_dir) == (own, {"vllm": "src", "sglang": "src"})
+
+
+def test_engine_eval_refuses_a_head_size_vllm_cpu_cannot_run_before_serving(tmp_path, monkeypatch):
+    """engine_eval itself (what benchmarks/engine_vllm.py calls, not only the CLI) refuses a target /
+    head whose attention head size vLLM's CPU build does not run, naming it, before vLLM is started."""
+    from draftkit.engines import vllm_eval
+    from draftkit.target import load_target
+    from tests.test_evaluate import chat_target
+
+    target = chat_target()  # head_dim 8
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    target = load_target(str(tmp_path / "target"), dtype="float32")
+    build_head({"type": "eagle"}, target).save_pretrained(tmp_path / "head")
+    served = []
+    monkeypatch.setattr(vllm_eval, "serve", lambda *a, **kw: served.append(a) or {})
+    with pytest.raises(ValueError, match=r"vLLM: vLLM's CPU build cannot serve the target .* head_dim 8 not in"):
+        engine_eval(target, tmp_path / "head", [[5, 6, 7]], EngineEvalSettings(work_dir=str(tmp_path / "w")))
+    assert served == []

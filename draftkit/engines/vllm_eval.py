@@ -165,6 +165,9 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
 
     work = Path(s.work_dir or tempfile.mkdtemp(prefix="draftkit-engine-eval-"))
     export, contract, notes = prepare_export(Path(head_dir), target, work)
+    refusal = cpu_serving_refusal(target, export)  # the benchmarks' path too, before vLLM starts
+    if refusal:
+        raise ValueError(f"vLLM: {refusal}; {CUDA_SERVES}")
     family = contract["family"]
     k = contract["head"].get("num_heads", s.k) if family == "medusa" else s.k
     model_dir = verifier_dir(contract, s.model_dir)
