@@ -59,6 +59,7 @@ def main() -> int:
     prompts = read_prompt_file(args.prompts)[:: args.every][: args.limit]
     result = {"cpu_flags": cpu_flags(), "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     ok = True
+    outputs = []  # every run's token ids, beside the figures (the T = 0 divergences can be traced again offline)
     for dtype in args.dtypes:
         target = load_target(None, dtype=dtype)
         ids = [i for i in (encode(target.tokenizer, p) for p in prompts) if i]
@@ -69,10 +70,11 @@ def main() -> int:
         for n, head in enumerate(args.heads):  # plain and ngram with the first head's run only
             s = replace(base, methods=("plain", "ngram", "head") if n == 0 else ("head",))
             report = engine_eval(target, head, ids, s)
-            for runs in report["engine"].values():
-                for r in runs.values():
-                    if isinstance(r, dict):
-                        r.pop("outputs", None)
+            kept = {"dtype": dtype, "head": head, "prompts": ids, "engine": {}, "loop": {}}
+            for m, runs in report["engine"].items():
+                kept["engine"][m] = {n: r.pop("outputs") for n, r in runs.items() if isinstance(r, dict) and "outputs" in r}
+            kept["loop"] = {n: r.pop("outputs") for n, r in report["loop"].items() if "outputs" in r}
+            outputs.append(kept)
             report.update(dtype=dtype, head=head, prompts=len(ids))
             print(f"\n== {head} ({dtype}, {len(ids)} prompts, {args.max_new_tokens} new tokens, CPU {cpu_flags()})")
             print(format_report(report))
@@ -80,7 +82,9 @@ def main() -> int:
             ok &= report["ok"] or dtype != "float32"  # bf16: differences reported, not failures
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {args.out}")
+    side = args.out.with_name(args.out.stem + "_outputs.json")
+    side.write_text(json.dumps(outputs))
+    print(f"wrote {args.out} and {side}")
     return 0 if ok else 1
 
 
