@@ -542,3 +542,82 @@ def test_engine_eval_refuses_a_head_size_vllm_cpu_cannot_run_before_serving(tmp_
     with pytest.raises(ValueError, match=r"vLLM: vLLM's CPU build cannot serve the target .* head_dim 8 not in"):
         engine_eval(target, tmp_path / "head", [[5, 6, 7]], EngineEvalSettings(work_dir=str(tmp_path / "w")))
     assert served == []
+
+
+# ---- 16-bit T = 0: the differences explained token by token -------------------------------------------
+
+def _greedy(scorer, prompt: list[int], n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(int(scorer.logprobs(prompt + out).argmax()))
+    return out
+
+
+def _swap(scorer, prompt: list[int], row: list[int], i: int, near: bool) -> list[int]:
+    """`row` with token i replaced by the runner-up (near: within the bf16 tie gap of the top) or by the
+    least likely token (beyond it); the gap is checked, not assumed."""
+    lp = scorer.logprobs(prompt + row[:i])
+    order = lp.argsort(descending=True)
+    tok = int(order[1] if near else order[-1])
+    gap = float(lp.max() - lp[tok])
+    assert (gap <= 0.5) if near else (gap > 0.5), gap
+    return row[:i] + [tok] + row[i + 1:]
+
+
+@pytest.fixture(scope="module")
+def bf16_world():
+    from draftkit.inference.stats import TeacherForced
+    from tests.conftest import make_tiny_target
+
+    target = make_tiny_target(dtype=torch.bfloat16)
+    scorer = TeacherForced(target)
+    prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    plain = [_greedy(scorer, p, 4) for p in prompts]
+    head = [plain[0], _swap(scorer, prompts[1], plain[1], 2, near=True), _swap(scorer, prompts[2], plain[2], 1, near=False)]
+    loop = [_swap(scorer, prompts[0], head[0], 3, near=True), head[1], head[2]]
+    return target, scorer, prompts, plain, head, loop
+
+
+def test_bf16_divergences_are_scored_by_the_teacher_forced_criterion(bf16_world):
+    """Each first difference (vLLM head vs vLLM plain, our loop vs vLLM head) is scored on the shared
+    prefix in float32: a swap of near-tied tokens is explained as bf16 rounding, a token far below the
+    top is a failure naming the prompt and the position."""
+    from draftkit.engines.vllm_eval import classify_divergences
+
+    target, scorer, prompts, plain, head, loop = bf16_world
+    r = classify_divergences(prompts, scorer, plain, head, loop)
+    hp, lh = r["engine_head_vs_engine_plain"], r["loop_vs_engine_head"]
+    assert (hp["mismatches"], hp["near_ties"]) == (2, 1)
+    assert [(d["prompt"], d["index"], d["near_tie"]) for d in hp["divergences"]] == [(1, 2, True), (2, 1, False)]
+    assert (lh["mismatches"], lh["near_ties"]) == (1, 1) and lh["divergences"][0]["index"] == 3
+    assert len(r["failures"]) == 1 and r["failures"][0].startswith("engine head vs engine plain: prompt 2 token 1")
+
+
+def test_bf16_engine_comparison_fails_only_on_a_difference_outside_the_tie_gap(bf16_world, monkeypatch):
+    """The engine comparison in bf16 at T = 0: near-ties are reported, not failed; the far swap fails the
+    run; in fp32 any difference from vLLM plain fails as before."""
+    from types import SimpleNamespace
+
+    from draftkit.engines import vllm_eval
+
+    target, scorer, prompts, plain, head, loop = bf16_world
+    monkeypatch.setattr(vllm_eval, "loop_figures", lambda stats: {"tau": 1.0, "alpha": []})
+    monkeypatch.setattr(vllm_eval, "compare", lambda *a, **kw: {"positions": [], "tau": {}, "failures": []})
+    monkeypatch.setattr("draftkit.inference.stats.TeacherForced", lambda t: scorer)
+
+    def run(dtype, head_rows):  # our loop = head_rows but for its near-tie at prompt 0
+        loop_rows = [loop[0]] + head_rows[1:]
+        monkeypatch.setattr(vllm_eval, "run_loop", lambda *a: {"T=0 B=1": {
+            "outputs": loop_rows, "engine_rule": True, "stats": SimpleNamespace(tokens_per_s=1.0)}})
+        report = {"loop": {}, "comparison": {}, "failures": [],
+                  "engine": {"plain": {"T=0 B=1": {"outputs": plain}}, "head": {"T=0 B=1": {"outputs": head_rows}}}}
+        s = EngineEvalSettings(dtype=dtype, temperatures=(0.0,), batch_sizes=(1,))
+        vllm_eval._compare_loop(report, None, target, prompts, s, 3, [], None)
+        return report
+
+    near_only = [head[0], head[1], plain[2]]
+    assert run("bfloat16", near_only)["failures"] == []
+    assert run("bfloat16", near_only)["comparison"]["T=0 B=1"]["near_ties"]["engine_head_vs_engine_plain"]["near_ties"] == 1
+    failed = run("bfloat16", head)["failures"]
+    assert len(failed) == 1 and "prompt 2 token 1" in failed[0]
+    assert any("did not reproduce" in f for f in run("float32", near_only)["failures"])
