@@ -33,10 +33,15 @@ class TargetConfig:
     path: str | None = None
     # GGUF file name inside `path` when `path` is a directory holding a .gguf.
     gguf_file: str | None = None
-    # Dtype the frozen target runs in. "auto" = bfloat16 where the device multiplies bf16 natively
-    # (a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16), else float32 (bf16 is emulated there and
-    # several times slower); the log says which, and from which CPU flags (draftkit.target.resolve_dtype).
-    # bfloat16 / float32 / float16 force one (float32: exact).
+    # Dtype the frozen target runs in, per stage (draftkit/device.py). "auto": the batched stages
+    # (data generation, feature computation, training: everything `prepare` and `train` run) use
+    # bfloat16 where the device multiplies bf16 natively (a CUDA GPU with bf16, a CPU with AMX or
+    # AVX512-BF16), else float32 (bf16 is emulated there and ~5x slower on a 16x128 prefill); eval's
+    # one-token decode stage uses the same, except on a CPU without native bf16, where a short
+    # measurement (a few decode steps of this target in both dtypes) picks bfloat16 when it is at
+    # least 10% faster (memory-bound: 45 vs 74 ms measured on an AVX2-only CPU). The log prints the
+    # choice per stage with the CPU flags (and the measurement) it came from; eval's report.json keeps
+    # it (`dtype_stages`). bfloat16 / float32 / float16 force one for every stage (float32: exact).
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     # Allow model code from the checkpoint's repository. Off unless you trust the source.
     trust_remote_code: bool = False

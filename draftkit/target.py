@@ -82,24 +82,29 @@ def cpu_flags() -> str:
 
 
 def resolve_dtype(dtype: str, device: torch.device | str = "cpu") -> tuple[str, str]:
-    """(dtype name, why): "auto" -> bfloat16 where native_bf16(device), else float32; a named
-    dtype is kept as forced. One choice per process for every stage: the one measured exception,
-    a one-token decode on an AVX2-only CPU (bf16 45 ms vs fp32 74 ms, while its batched prefill and
-    generation are 5x slower in bf16), was not measured to outweigh the batched stages, so no
-    per-stage switch is made; force --dtype / target.dtype bfloat16 for a decode-only run there."""
+    """(dtype name, why) of the batched (compute-bound) stages: "auto" -> bfloat16 where
+    native_bf16(device), else float32; a named dtype is kept as forced. This is the dtype
+    load_target loads in, and the only one `draftkit prepare` / `train` use (data generation,
+    prefill-heavy features, training are all compute-bound). The one-token decode stage (eval's
+    loop) may differ under auto on a CPU without native bf16, where a one-token decode was faster
+    in bf16 (45 vs 74 ms) while a 16x128 prefill was 5x slower: draftkit/device.py measures it."""
     if dtype != AUTO_DTYPE:
         if dtype not in DTYPES:
             raise TargetError(f"target.dtype: {dtype!r} is not one of {AUTO_DTYPE}, {', '.join(DTYPES)}")
         return dtype, f"dtype {dtype} (forced)"
-    device = torch.device(device)
     chosen = "bfloat16" if native_bf16(device) else "float32"
+    return chosen, f"dtype auto -> {chosen} ({auto_basis(device)})"
+
+
+def auto_basis(device: torch.device | str) -> str:
+    """What auto's choice on `device` is read from, as one phrase: the CPU flags (cpu_flags), a
+    GPU's bf16 support, or that nothing is known of another device."""
+    device = torch.device(device)
     if device.type == "cpu":
-        basis = f"cpu flags: {cpu_flags()}"
-    elif device.type == "cuda":
-        basis = f"{torch.cuda.get_device_name(device)}: bf16 {'supported' if chosen == 'bfloat16' else 'unsupported'}"
-    else:
-        basis = f"device {device.type}: no native bf16 known"
-    return chosen, f"dtype auto -> {chosen} ({basis})"
+        return f"cpu flags: {cpu_flags()}"
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}: bf16 {'supported' if native_bf16(device) else 'unsupported'}"
+    return f"device {device.type}: no native bf16 known"
 
 
 def rope_parameters_of(config) -> dict:
@@ -348,6 +353,37 @@ class Target:
 
     def to(self, device) -> "Target":
         self.model.to(device)
+        return self
+
+    # ---- dtype (draftkit/device.py: the decode stage may run in another dtype than the load's) ----
+    def dtype_tensors(self) -> list[Tensor]:
+        """The floating tensors whose dtype load_target's `dtype` sets, in a fixed order: the
+        parameters (tied ones once) and the persistent buffers. Non-persistent buffers (rotary
+        inv_freq) are left out: transformers keeps them float32 whatever the load dtype."""
+        params = [p.data for p in self.model.parameters() if p.is_floating_point()]
+        return params + [b for _, _, b in self._persistent_buffers()]
+
+    def set_tensors(self, tensors: list[Tensor]) -> None:
+        """Put `tensors` (same order and shapes as dtype_tensors(), any dtype) in their place."""
+        params = [p for p in self.model.parameters() if p.is_floating_point()]
+        buffers = self._persistent_buffers()
+        if len(tensors) != len(params) + len(buffers):
+            raise TargetError(f"target {self.name}: {len(tensors)} tensors for {len(params) + len(buffers)} places")
+        for p, t in zip(params, tensors):
+            p.data = t
+        for (module, name, _), t in zip(buffers, tensors[len(params):]):
+            module._buffers[name] = t
+
+    def _persistent_buffers(self) -> list[tuple[nn.Module, str, Tensor]]:
+        return [(m, n, b) for m in self.model.modules() for n, b in m._buffers.items()
+                if b is not None and b.is_floating_point() and n not in m._non_persistent_buffers_set]
+
+    def cast(self, dtype: str, why: str) -> "Target":
+        """This target in `dtype` (a DTYPES name), in place, as load_target(dtype=dtype) loads it
+        (tests/test_dtype_stages.py compares the two); dtype_choice becomes `why`."""
+        self.set_tensors([t.to(DTYPES[dtype]) for t in self.dtype_tensors()])
+        self.model.config.dtype = DTYPES[dtype]
+        self.dtype_choice = why
         return self
 
 

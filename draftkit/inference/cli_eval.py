@@ -26,6 +26,12 @@ too (keeping a vLLM choice there), so `draftkit export` carries it and `draftkit
 its SGLang flags. A shape reused as is (--draft-from, the head's draft:, --out/draft.json) brings the
 SGLang record kept beside it (reused_sglang) into the report and, with --save-draft, the head;
 report.json's `engine_draft_source` names where it came from.
+
+Dtype (--dtype): the target loads in the batched stages' dtype and synthesizes prompts in it; then
+eval switches to the decode stage's (draftkit/device.py: under auto on a CPU without native bf16 a
+short measurement decides; the target is cast, and the log says so) before the draft shape is
+decided, so a saved or measured shape is the one for the dtype the loop runs. report.json:
+`dtype` (the loop's), `dtype_choice` (why), `dtype_stages` (per stage, measurement, CPU flags).
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from draftkit.inference.typical import ACCEPTANCE_RULES, TYPICAL_DELTA, TYPICAL_
 from draftkit.inference.drafters import MODES, DraftSettings, DraftSettingsError
 from draftkit.inference.evaluate import METHODS, EvalPrompt, EvalSettings, evaluate, read_prompt_file, synthesize_prompts
 from draftkit.inference.rejection import RejectionSampler
+from draftkit.device import DECODE_MARGIN, use_decode_dtype
 from draftkit.target import AUTO_DTYPE, DTYPES
 
 DRAFT_FILE = "draft.json"
@@ -81,7 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-synthesized", type=int, default=16, help="prompts to synthesize without --prompts")
     p.add_argument("--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
                    help="target and head dtype; auto = bfloat16 where the device multiplies bf16 natively (CUDA "
-                        "with bf16, a CPU with AVX512-BF16 or AMX), else float32; the choice is printed")
+                        "with bf16, a CPU with AVX512-BF16 or AMX), else float32 for prompt synthesis and, for "
+                        f"the decoding loop, bfloat16 only where a short measurement finds it {DECODE_MARGIN * 100:.0f}%% faster "
+                        "(draftkit/device.py); the choice per stage is printed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--seed", type=int, default=0, help="row i samples with seed + i")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
@@ -379,8 +388,9 @@ def run(args) -> int:
     out, sglang, sglang_source = Path(args.out), None, None
     try:
         target, head, head_dir, head_cfg, prompts = load_everything(args)
+        prompts = eval_prompts(args, target, prompts)  # synthesis (batched) in the dtype loaded
+        stages = use_decode_dtype(args.dtype, target, head)  # the rest decodes: its dtype from here on
         draft, source, measure = decide_draft(args, head, head_dir, head_cfg, target)
-        prompts = eval_prompts(args, target, prompts)
         settings = EvalSettings(
             draft=draft, compare=compare_methods(args), temperatures=tuple(args.temperature),
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, top_k=args.top_k, top_p=args.top_p,
@@ -417,9 +427,9 @@ def run(args) -> int:
         print(f"draftkit eval: error: {e}", file=sys.stderr)
         return 2
     report.update(head_dir=str(head_dir) if head_dir else None, prompt_files=args.prompts, draft_source=source,
-                  dtype_choice=target.dtype_choice, **({ENGINE_DRAFT_KEY: {"sglang": sglang},
-                                                        "engine_draft_source": {"sglang": sglang_source}}
-                                                       if sglang else {}))
+                  dtype_choice=target.dtype_choice, dtype_stages=stages.to_dict(),
+                  **({ENGINE_DRAFT_KEY: {"sglang": sglang}, "engine_draft_source": {"sglang": sglang_source}}
+                     if sglang else {}))
     paths = write_report(report, out)
     print(format_table(report))
     if not report["lossless"]:

@@ -1,0 +1,139 @@
+"""Which dtype each stage runs in: `dtype: auto` per stage, and a forced dtype for all of them.
+
+Two stages, because bf16 pays differently where the CPU only emulates it (AVX2, no AVX512-BF16/AMX):
+  batched  compute-bound work: data generation (responses, synthesized prompts), prefill-heavy
+           feature computation, training. Emulated bf16 is ~5x slower than float32 there (a 16x128
+           prefill: 31.2 s in bf16, 5.65 s in fp32), so auto follows the flags alone
+           (draftkit.target.resolve_dtype): bfloat16 with AMX or AVX512-BF16 (or a CUDA GPU with
+           bf16), else float32. It is the dtype load_target loads in; `draftkit prepare` and
+           `train` run only this stage (the trainer's holdout eval decodes with its training
+           target as loaded: casting it would change the features it trains on).
+  decode   one token per target forward: `draftkit eval`'s draft-verify loop, its calibration and
+           the plain-decoding baseline. Memory-bound, so halving the bytes read can win even with
+           emulated arithmetic (one-token decode 45 ms bf16 vs 74 ms fp32 on that CPU). auto = the
+           batched choice where bf16 is native (bf16 everywhere) or the device is not a CPU; on a
+           CPU without native bf16 a short measurement decides (measure_decode): DECODE_STEPS
+           one-token steps of the actual target after a DECODE_CONTEXT-token prefill, in float32
+           and bfloat16, interleaved, min over DECODE_REPEATS rounds; bfloat16 only when it is
+           faster by DECODE_MARGIN, else float32.
+A forced dtype (float32 / bfloat16 / float16) is every stage's, and nothing is measured. The
+choice is logged in one line (per stage, the measurement, the CPU flags) and eval writes it into
+report.json (`dtype_stages`). The measurement is not cached: it costs about 2 x DECODE_REPEATS x
+(a short prefill + DECODE_STEPS + 1 steps), and a cached one would outlive a busy machine's noise.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from draftkit.target import AUTO_DTYPE, Target, TargetError, auto_basis, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+DECODE_STEPS = 4  # timed one-token steps per round (after one untimed warm-up step)
+DECODE_CONTEXT = 32  # tokens prefilled before them (untimed)
+DECODE_REPEATS = 3  # interleaved rounds per dtype; the minimum is kept (noise only ever adds time)
+DECODE_MARGIN = 0.10  # bfloat16 decodes only when its step is at least 10% shorter than float32's
+MEASURED = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class StageDtypes:
+    """The dtype name of each stage and what the choice was made from."""
+
+    batched: str  # data generation, prefill-heavy features, training
+    decode: str  # one-token decoding: eval's loop, its calibration, plain decoding
+    basis: str  # "forced", or auto's basis (draftkit.target.auto_basis: the CPU flags)
+    decode_ms: dict[str, float] | None = None  # ms per one-token step per dtype, when measured
+
+    def describe(self) -> str:
+        """The line the user sees: the dtype per stage, the measurement if any, the flags."""
+        if self.basis == "forced":
+            return f"dtype {self.decode} (forced) for every stage"
+        if self.decode_ms is None:
+            how = "not measured: bf16 is native here" if self.batched == "bfloat16" else "not measured off a CPU"
+        else:
+            ms = ", ".join(f"{k} {v:.1f} ms" for k, v in self.decode_ms.items())
+            how = (f"one-token decode measured {ms} (min of {DECODE_REPEATS} rounds of {DECODE_STEPS} steps; "
+                   f"bfloat16 only when {DECODE_MARGIN:.0%} faster)")
+        return f"dtype auto: batched stages {self.batched}, decode {self.decode} ({how}; {self.basis})"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "margin": DECODE_MARGIN if self.decode_ms else None, "line": self.describe()}
+
+
+def stage_dtypes(dtype: str, target: Target) -> StageDtypes:
+    """The per-stage dtypes of `dtype` ("auto" or a forced name) for `target`, which must be
+    loaded in the batched dtype (load_target(dtype=dtype) does): module doc's rule."""
+    batched, _ = resolve_dtype(dtype, target.device)
+    if dtype != AUTO_DTYPE:
+        return StageDtypes(batched, batched, "forced")
+    basis = auto_basis(target.device)
+    if batched == "bfloat16" or target.device.type != "cpu":
+        return StageDtypes(batched, batched, basis)
+    if str(target.dtype) != f"torch.{batched}":
+        raise TargetError(f"dtype auto: target {target.name} is {target.dtype}, not the batched stages' {batched} "
+                          "it must be loaded in before the decode dtype is measured")
+    ms = measure_decode(target)
+    decode = "bfloat16" if ms["bfloat16"] < (1 - DECODE_MARGIN) * ms["float32"] else "float32"
+    return StageDtypes(batched, decode, basis, ms)
+
+
+def measure_decode(target: Target, repeats: int = DECODE_REPEATS) -> dict[str, float]:
+    """{dtype: ms per one-token decode step} for float32 (the target as loaded) and bfloat16 (a
+    temporary copy of its tensors, as Target.cast makes them), interleaved round by round, the
+    minimum of `repeats` rounds each. The target's own tensors are put back whatever happens."""
+    own = target.dtype_tensors()
+    copies = {"float32": own, "bfloat16": [t.to(torch.bfloat16) for t in own]}
+    best = {name: math.inf for name in MEASURED}
+    try:
+        for _ in range(repeats):
+            for name in MEASURED:
+                target.set_tensors(copies[name])
+                best[name] = min(best[name], decode_step_ms(target))
+    finally:
+        target.set_tensors(own)
+    return best
+
+
+@torch.no_grad()
+def decode_step_ms(target: Target, steps: int = DECODE_STEPS, context: int = DECODE_CONTEXT) -> float:
+    """Mean ms of one one-token decode step of `target` in its current dtype, after a `context`-
+    token prefill and one warm-up step (untimed): TargetCache.forward + commit, the calls plain
+    decoding makes per token (draftkit/inference/decoder.py plain_generate), at batch 1."""
+    from draftkit.inference.cache import TargetCache
+
+    dev = target.device
+    ids = (torch.arange(context + steps + 1, device=dev) * 7 + 3) % target.vocab_size  # (L,) any tokens
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    tc = TargetCache(target, 1)
+    tc.forward(ids[None, :context], one.expand(1, context))
+    tc.commit(one.expand(1, context))
+    t0 = 0.0
+    for i in range(context, context + steps + 1):
+        if i == context + 1:  # the first step warmed up
+            t0 = time.perf_counter()
+        tc.forward(ids[None, i:i + 1], one)
+        tc.commit(one)
+    return (time.perf_counter() - t0) * 1000 / steps
+
+
+def use_decode_dtype(dtype: str, target: Target, head=None) -> StageDtypes:
+    """Eval's switch to the decode stage: choose (stage_dtypes), log the line, and cast the target
+    (and the head) to the decode dtype where it differs from the one loaded, saying so. Where the
+    choice was measured, target.dtype_choice becomes the per-stage line."""
+    stages = stage_dtypes(dtype, target)
+    log.info("%s", stages.describe())
+    if stages.decode_ms is not None:
+        target.dtype_choice = stages.describe()
+    if stages.decode != stages.batched:
+        log.info("target cast %s -> %s for the decode stage (the loop, its calibration and plain decoding)",
+                 stages.batched, stages.decode)
+        target.cast(stages.decode, target.dtype_choice)
+        if head is not None:
+            head.to(dtype=target.dtype)
+    return stages

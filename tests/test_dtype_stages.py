@@ -1,0 +1,159 @@
+"""`dtype: auto` per stage (draftkit/device.py): batched stages follow the CPU flags, the one-token
+decode stage follows a short measurement on a CPU without native bf16, a forced dtype is every
+stage's, and a target cast for decoding is the target loaded in that dtype.
+
+CPU flags are monkeypatched (torch.cpu's probes and draftkit.target.cpu_flags) and the decode
+timings replaced by a fake that reads the dtype the target is in when timed, so every choice is
+deterministic on any machine.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftkit import device
+from draftkit.device import DECODE_MARGIN, DECODE_REPEATS, stage_dtypes, use_decode_dtype
+from tests.conftest import make_tiny_target
+
+FIXTURES = Path(__file__).parent / "fixtures"
+AVX2 = "avx2; torch cpu capability AVX2"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def cpu(monkeypatch, amx: bool = False, avx512_bf16: bool = False, flags: str = AVX2) -> None:
+    """Make this CPU look like one with (or without) AMX / AVX512-BF16, reporting `flags`."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr("draftkit.target.cpu_flags", lambda: flags)
+
+
+def fake_timings(monkeypatch, ms: dict[str, list[float]]) -> list[str]:
+    """decode_step_ms returns ms[dtype of the target's weights now][round]; returns the dtypes seen, in order."""
+    seen: list[str] = []
+
+    def step(target):
+        name = str(target.dtype).replace("torch.", "")
+        assert {t.dtype for t in target.dtype_tensors()} == {target.dtype}  # the whole target, not only lm_head
+        seen.append(name)
+        return ms[name][seen.count(name) - 1]
+
+    monkeypatch.setattr(device, "decode_step_ms", step)
+    return seen
+
+
+def test_auto_on_an_avx2_cpu_decodes_in_bf16_only_when_measured_faster(monkeypatch, caplog):
+    """AVX2 only: batched float32 always; decode bfloat16 iff the min-over-rounds bf16 step beats
+    fp32's by the margin (an outlier round moves nothing); rounds interleave the dtypes; the
+    target's own float32 tensors are back afterwards; the printed line names the flags, each
+    stage's dtype and the measurement, and the target is cast for decoding, saying so."""
+    cpu(monkeypatch)
+    target = make_tiny_target()
+    own = [t.data_ptr() for t in target.dtype_tensors()]
+    seen = fake_timings(monkeypatch, {"float32": [90.0, 74.0, 80.0], "bfloat16": [500.0, 45.0, 50.0]})
+    st = stage_dtypes("auto", target)
+    assert (st.batched, st.decode, st.decode_ms) == ("float32", "bfloat16", {"float32": 74.0, "bfloat16": 45.0})
+    assert seen == ["float32", "bfloat16"] * DECODE_REPEATS
+    assert target.dtype == torch.float32 and [t.data_ptr() for t in target.dtype_tensors()] == own
+    for bf16, want in ((120.0, "float32"), (100 * (1 - DECODE_MARGIN) + 1, "float32"),
+                       (100 * (1 - DECODE_MARGIN) - 1, "bfloat16")):
+        fake_timings(monkeypatch, {"float32": [100.0] * 3, "bfloat16": [bf16] * 3})
+        st = stage_dtypes("auto", target)
+        assert (st.batched, st.decode) == ("float32", want), bf16
+    fake_timings(monkeypatch, {"float32": [74.0] * 3, "bfloat16": [45.0] * 3})
+    with caplog.at_level("INFO", logger="draftkit.device"):
+        st = use_decode_dtype("auto", target)
+    line = st.describe()
+    assert line.startswith("dtype auto: batched stages float32, decode bfloat16 (") and line in caplog.messages
+    assert f"cpu flags: {AVX2}" in line and "float32 74.0 ms, bfloat16 45.0 ms" in line
+    assert "target cast float32 -> bfloat16 for the decode stage" in caplog.text
+    assert target.dtype == torch.bfloat16 and target.dtype_choice == line
+    assert st.to_dict()["line"] == line and st.to_dict()["margin"] == DECODE_MARGIN
+
+
+def test_native_bf16_and_forced_dtypes_measure_nothing(monkeypatch, caplog):
+    """AVX512-BF16 or AMX: bf16 for both stages, unmeasured, the target left as loaded; a forced
+    dtype is every stage's on any CPU (an AVX2-only one included) and never cast."""
+    def no_measuring(target):
+        raise AssertionError("measured a decode step where the rule needs none")
+
+    monkeypatch.setattr(device, "decode_step_ms", no_measuring)
+    for amx, avx512_bf16 in ((False, True), (True, False)):
+        cpu(monkeypatch, amx, avx512_bf16, flags="avx2 avx512f avx512_bf16; torch cpu capability AVX512")
+        target = make_tiny_target(dtype=torch.bfloat16)
+        own = [t.data_ptr() for t in target.dtype_tensors()]
+        st = use_decode_dtype("auto", target)
+        assert (st.batched, st.decode, st.decode_ms) == ("bfloat16", "bfloat16", None)
+        assert "not measured: bf16 is native here" in st.describe() and "avx512_bf16" in st.describe()
+        assert [t.data_ptr() for t in target.dtype_tensors()] == own and target.dtype_choice is None
+    cpu(monkeypatch)  # AVX2 only: auto would measure, a forced dtype does not
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        target = make_tiny_target(dtype=dt)
+        own = [t.data_ptr() for t in target.dtype_tensors()]
+        st = use_decode_dtype(name, target)
+        assert (st.batched, st.decode, st.basis) == (name, name, "forced")
+        assert st.describe() == f"dtype {name} (forced) for every stage"
+        assert target.dtype == dt and [t.data_ptr() for t in target.dtype_tensors()] == own
+
+
+def test_a_cast_target_is_the_target_loaded_in_that_dtype(tmp_path):
+    """Target.cast("bfloat16") of a float32 load equals load_target(dtype="bfloat16"): every
+    parameter and buffer (rotary inv_freq stays float32, as transformers loads it), config.dtype,
+    the logits and the greedy tokens. The real measurement times both dtypes and puts the float32
+    tensors back bit for bit."""
+    from draftkit.inference.decoder import plain_generate
+    from draftkit.target import load_target
+    from tests.test_evaluate import chat_target
+
+    src = chat_target()
+    src.model.save_pretrained(tmp_path)
+    src.tokenizer.save_pretrained(tmp_path)
+    loaded = load_target(str(tmp_path), dtype="float32")
+    before = [t.clone() for t in loaded.dtype_tensors()]
+    ms = device.measure_decode(loaded, repeats=1)
+    assert set(ms) == {"float32", "bfloat16"} and all(0 < v < float("inf") for v in ms.values())
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, loaded.dtype_tensors()))
+    cast = loaded.cast("bfloat16", "why")
+    ref = load_target(str(tmp_path), dtype="bfloat16")
+    got, want = dict(cast.model.named_buffers()), dict(ref.model.named_buffers())
+    assert got.keys() == want.keys() and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
+    got, want = cast.model.state_dict(), ref.model.state_dict()
+    assert got.keys() == want.keys() and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
+    assert cast.model.config.dtype == ref.model.config.dtype == torch.bfloat16 and cast.dtype_choice == "why"
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
+    assert torch.equal(cast.model(ids).logits, ref.model(ids).logits)
+    prompts = [[5, 9, 14], [3, 7, 11, 2, 8]]
+    assert plain_generate(cast, prompts, max_new_tokens=8)[0] == plain_generate(ref, prompts, max_new_tokens=8)[0]
+
+
+def test_eval_on_an_avx2_cpu_runs_the_loop_in_the_measured_dtype(tmp_path, monkeypatch, caplog):
+    """`draftkit eval --dtype auto` on an AVX2-only CPU: the loop runs in bfloat16 when its decode
+    step was measured faster (the float32-loaded target cast, said in the log) and in float32
+    when not; report.json records the per-stage choice, the measurement and the CPU flags."""
+    from draftkit.cli import main as cli
+    from draftkit.heads import build_head
+    from tests.test_evaluate import chat_target
+
+    target = chat_target()
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    build_head({"type": "eagle"}, target).save_pretrained(tmp_path / "run" / "head")
+    cpu(monkeypatch)
+    for bf16_ms, want in ((45.0, "bfloat16"), (90.0, "float32")):
+        fake_timings(monkeypatch, {"float32": [74.0] * 3, "bfloat16": [bf16_ms] * 3})
+        out = tmp_path / want
+        args = ["eval", "--head", str(tmp_path / "run"), "--target", str(tmp_path / "target"), "--prompts",
+                str(FIXTURES / "data" / "prompt.jsonl"), "--k", "2", "--max-new-tokens", "4", "--compare", "none",
+                "--out", str(out)]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="draftkit"):
+            assert cli(args) == 0
+        rep = json.loads((out / "report.json").read_text())
+        stages = rep["dtype_stages"]
+        assert rep["dtype"] == want and (stages["batched"], stages["decode"]) == ("float32", want)
+        assert stages["decode_ms"] == {"float32": 74.0, "bfloat16": bf16_ms} and f"cpu flags: {AVX2}" in stages["line"]
+        assert rep["dtype_choice"] == stages["line"] and stages["line"] in caplog.messages
+        assert ("target cast float32 -> bfloat16" in caplog.text) == (want == "bfloat16")
