@@ -118,10 +118,10 @@ def test_a_cast_target_is_the_target_loaded_in_that_dtype(tmp_path):
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, loaded.dtype_tensors()))
     cast = loaded.cast("bfloat16", "why")
     ref = load_target(str(tmp_path), dtype="bfloat16")
-    got, want = dict(cast.model.named_buffers()), dict(ref.model.named_buffers())
-    assert got.keys() == want.keys() and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
-    got, want = cast.model.state_dict(), ref.model.state_dict()
-    assert got.keys() == want.keys() and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
+    for got, want in ((dict(cast.model.named_buffers()), dict(ref.model.named_buffers())),
+                      (cast.model.state_dict(), ref.model.state_dict())):
+        assert got.keys() == want.keys()
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
     assert cast.model.config.dtype == ref.model.config.dtype == torch.bfloat16 and cast.dtype_choice == "why"
     ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
     assert torch.equal(cast.model(ids).logits, ref.model(ids).logits)
