@@ -20,6 +20,8 @@ A forced dtype (float32 / bfloat16 / float16) is every stage's, and nothing is m
 choice is logged in one line (per stage, the measurement, the CPU flags) and eval writes it into
 report.json (`dtype_stages`). The measurement is not cached: it costs about 2 x DECODE_REPEATS x
 (a short prefill + DECODE_STEPS + 1 steps), and a cached one would outlive a busy machine's noise.
+While it runs, a bfloat16 copy of the target's tensors exists beside the float32 ones (1.5x the
+float32 target's memory for those seconds); the float32 tensors themselves are never rounded.
 """
 from __future__ import annotations
 
