@@ -64,7 +64,8 @@ def clocked(monkeypatch):
     head = build_head({"type": "eagle"}, target).eval()
     clock = Clock()
     monkeypatch.setattr(time, "perf_counter", clock)
-    monkeypatch.setattr(target, "decoder", clock.charged(target.decoder, lambda *a, input_ids, **kw: 1 + input_ids.shape[1]))
+    monkeypatch.setattr(target, "decoder",
+                        clock.charged(target.decoder, lambda *a, input_ids, **kw: 1 + input_ids.shape[1]))
     monkeypatch.setattr(head, "draft_tree", clock.charged(head.draft_tree, lambda *a, **kw: 2))
     monkeypatch.setattr(head, "tree_root", clock.charged(head.tree_root, lambda *a, **kw: 1))
     real = cost.plain_generate
@@ -130,7 +131,8 @@ def test_plain_step_is_timed_by_plain_decoding(clocked, monkeypatch):
     from draftkit.inference import cache, decoder, tree as tree_mod
 
     target, head, clock = clocked
-    monkeypatch.setattr(tree_mod.DraftTree, "ancestor_mask", clock.charged(tree_mod.DraftTree.ancestor_mask, lambda *a: 3))
+    monkeypatch.setattr(tree_mod.DraftTree, "ancestor_mask",
+                        clock.charged(tree_mod.DraftTree.ancestor_mask, lambda *a: 3))
     monkeypatch.setattr(decoder, "accept_tree", clock.charged(decoder.accept_tree, lambda *a, **kw: 5))
     monkeypatch.setattr(cache.TargetCache, "commit_path", clock.charged(cache.TargetCache.commit_path, lambda *a: 7))
     ctx = LOOP_PROMPTS[1] * 2
