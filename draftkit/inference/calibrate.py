@@ -26,13 +26,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def calibration_prompts(items: list[dict], n: int, skip: set | None = None) -> list[list[int]]:
-    """n prompts as token ids, taken in turn from each category (the list's order within one; all
-    one category when the prompts have none) and spread over each category's prompts, so that
-    the profile sees the mix the evaluation will see. `skip`: id tuples not to take."""
-    by_cat: dict[str, list[list[int]]] = {}
+    """The token ids of calibration_items(items, n, skip)."""
+    return [it["ids"] for it in calibration_items(items, n, skip)]
+
+
+def calibration_items(items: list[dict], n: int, skip: set | None = None) -> list[dict]:
+    """n of the items (dicts with "ids" and "category"), taken in turn from each category (the
+    list's order within one; all one category when the prompts have none) and spread over each
+    category's prompts, so that the profile sees the mix the evaluation will see. `skip`: id
+    tuples not to take."""
+    by_cat: dict[str, list[dict]] = {}
     for it in items:
         if skip is None or tuple(it["ids"]) not in skip:
-            by_cat.setdefault(it["category"], []).append(it["ids"])
+            by_cat.setdefault(it["category"], []).append(it)
     cats = list(by_cat.values())
     counts = [n // len(cats) + (i < n % len(cats)) for i in range(len(cats))]
     picks = []
@@ -51,7 +57,8 @@ def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n
     prompts spread over the list at settings' temperatures, choose the draft shape within the
     head's limits and `space` (the fields the user fixed: only shapes with them are measured, so
     the printed prediction is the returned shape's), print it with its prediction, and return it with
-    the Calibration it came from (its ranked rows give SGLang's tree: export/serving.py).
+    the Calibration it came from (its ranked rows give SGLang's tree: export/serving.py). Prompts
+    of two or more categories also get the best shape per category, reported beside the choice.
     A failure (a bad head, a setting the head cannot draft) is raised as a SpecError naming
     calibration, for eval's error path."""
     from draftkit.heads.base import HeadError
@@ -59,11 +66,12 @@ def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n
 
     try:
         items, _ = _prepare(target, prompts, 16, settings.max_new_tokens)
-        calib = calibration_prompts(items, n)
-        if not calib:
+        picked = calibration_items(items, n)
+        if not picked:
             raise SpecError("calibration: no prompt fits the context")
-        chosen, cal = auto_draft(target, head, calib, settings.draft, temperatures=settings.temperatures,
-                               top_k=settings.top_k, top_p=settings.top_p,
+        calib = [it["ids"] for it in picked]
+        chosen, cal = auto_draft(target, head, calib, settings.draft, categories=[it["category"] for it in picked],
+                               temperatures=settings.temperatures, top_k=settings.top_k, top_p=settings.top_p,
                                max_new_tokens=min(MAX_CALIBRATION_TOKENS, settings.max_new_tokens),
                                budget_s=budget_s, seed=settings.seed, progress=progress, space=space)
     except HeadError as e:

@@ -32,7 +32,9 @@ measured in several interleaved rounds and the minimum kept (load from other pro
 adds time); the profile is checked for consistency and `warnings` says where it is not.
 
 The pick maximises the predicted speedup (mean over the requested temperatures); where no shape's
-prediction exceeds PAYS the choice is plain decoding.
+prediction exceeds PAYS the choice is plain decoding. When the prompts carry two or more categories,
+the same pick is made on each category's traces alone (choose_per_category) and reported beside the
+global one (which it does not change): plain decoding where nothing pays in that category.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -96,6 +98,7 @@ class Trace:
     plain_s: float = 0.0  # the plain_generate run that produced y (wall time, prefill included)
     prefill_ms: float = 0.0  # plain_generate of one token on this prompt (both methods' prefill)
     head_prefill_ms: float = 0.0  # the head reading the prompt (the first speculative step's extra)
+    category: str | None = None  # the prompt's category (choose_per_category), None: not given
 
 
 def rank_pool(tree: DraftTree) -> list[tuple[tuple[int, ...], int]]:
@@ -481,6 +484,34 @@ def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs]
     return (rows[0]["candidate"] if rows and rows[0]["speedup"] > pays else None), rows
 
 
+def choose_per_category(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs],
+                        cands: list[Candidate], pays: float = PAYS) -> dict[str, dict]:
+    """choose() on each prompt category's traces alone (the same costs, candidates and floor):
+    {category: {"prompts", "choice" (the Candidate's fields, None = plain decoding), "shape" (its
+    label or "plain decoding"), "speedup" (the choice's mean prediction, 1.0 for plain), "best",
+    "best_speedup" (the ranking's first row, chosen or not), "by_temperature"}}, categories sorted;
+    {} when the traces carry fewer than two categories (the global choice says it all).
+    A temperature that traced none of a category's prompts (a budget cut) is left out of its mean."""
+    cats = sorted({tr.category for trs in traces_by_t.values() for tr in trs if tr.category is not None})
+    if len(cats) < 2:
+        return {}
+    out = {}
+    for cat in cats:
+        sub = {t: [tr for tr in trs if tr.category == cat] for t, trs in traces_by_t.items()}
+        sub = {t: trs for t, trs in sub.items() if trs}
+        choice, rows = choose(sub, {t: costs_by_t[t] for t in sub}, cands, pays)
+        best = rows[0] if rows else None
+        out[cat] = {"prompts": max(len(trs) for trs in sub.values()),
+                    "choice": None if choice is None else asdict(choice),
+                    "shape": "plain decoding" if choice is None else choice.label(),
+                    "speedup": round(best["speedup"], 4) if choice is not None else 1.0,
+                    "best": best["label"] if best else None,
+                    "best_speedup": round(best["speedup"], 4) if best else None,
+                    "by_temperature": best["by_temperature"] if choice is not None else
+                    {f"{t:g}": {"tau": 1.0, "speedup": 1.0} for t in sub}}
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Measuring the costs
 # ---------------------------------------------------------------------------------------------
@@ -665,6 +696,7 @@ class Calibration:
     choice: Candidate | None
     warnings: list[str]
     seconds: float
+    per_category: dict = field(default_factory=dict)  # choose_per_category's rows ({} below two categories)
 
 
 def head_depth(head, max_depth: int) -> int:
@@ -676,15 +708,20 @@ def head_depth(head, max_depth: int) -> int:
 def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | None = None, *,
                temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0, topks=(1, 2, 4, 8), max_depth: int = 6,
                max_new_tokens: int = 48, budget_s: float | None = None, rounds: int = 5, seed: int = 0,
-               progress: bool = False, pays: float = PAYS,
-               space: SearchSpace | None = None) -> tuple[DraftSettings, Calibration]:
+               progress: bool = False, pays: float = PAYS, space: SearchSpace | None = None,
+               categories: list[str] | None = None) -> tuple[DraftSettings, Calibration]:
     """Measure, trace, simulate, choose (module doc), within about budget_s seconds: fewer cost
     rounds and fewer prompts when the first ones show the whole would not fit. `space`: the fields
     the user fixed (SearchSpace; default: nothing fixed over topks and max_depth): only its
     candidates are traced, measured and ranked, and plain decoding is chosen only where nothing was
-    fixed. Returns the chosen DraftSettings (mode "plain" when nothing pays; chosen_by / measured
-    filled) and the Calibration."""
+    fixed. `categories`: each prompt's category (aligned with prompts): with two or more, the best
+    shape per category is chosen too (choose_per_category; measured["per_category"]). Returns the
+    chosen DraftSettings (mode "plain" when nothing pays; chosen_by / measured filled) and the
+    Calibration."""
     from tqdm.auto import tqdm
+
+    if categories is not None and len(categories) != len(prompts):
+        raise ValueError(f"auto_draft: {len(categories)} categories for {len(prompts)} prompts (one per prompt)")
 
     base = base or DraftSettings()
     space = space or SearchSpace(topks=tuple(topks), max_depth=max_depth)
@@ -698,7 +735,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     bar = tqdm(total=len(temps) * (rounds + 2 + len(prompts)), desc="draft auto: calibrating", unit="part",
                disable=not progress, dynamic_ncols=True)
     run = _Calibrating(target, head, prompts, _context(prompts, max_new_tokens), base, axes, cands, rounds, seed,
-                       max_new_tokens, budget_s, bar)
+                       max_new_tokens, budget_s, bar, categories)
     for ti, T in enumerate(temps):
         share = (budget_s - (time.perf_counter() - t0)) / (len(temps) - ti)  # this temperature's seconds
         t_start, params = time.perf_counter(), SamplingParams(T, top_k, top_p)
@@ -710,8 +747,10 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     if busy > OTHERS_CORES:
         warnings.append(f"other processes used {busy:.2f} cores of this machine while calibrating: the costs "
                         "include them; the choice may be wrong")
-    choice, rows = choose(traces, costs, cands, pays if space.any_mode else -math.inf)
-    cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0)
+    floor = pays if space.any_mode else -math.inf
+    choice, rows = choose(traces, costs, cands, floor)
+    cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0,
+                      choose_per_category(traces, costs, cands, floor))
     chosen = _settings(base, cal, target, space, pays)
     return replace(chosen, depth=min(chosen.depth, axes["depth"])), cal  # the sizes eval's other methods run too
 
@@ -733,6 +772,7 @@ class _Calibrating:
     max_new_tokens: int
     budget_s: float
     bar: object
+    categories: list | None = None
 
     def costs(self, params: SamplingParams, share: float) -> tuple[Costs, list[str]]:
         """The costs at one temperature: interleaved rounds (at least 3, within a quarter of
@@ -746,6 +786,8 @@ class _Calibrating:
         more = max(min(2, self.rounds - 1), min(self.rounds - 1, int(0.25 * share / max(one_round, 1e-3)) - 1))
         c = _min_costs(c, measure_costs(*m, rounds=more, widths=widths, tick=self.bar.update, warmup=False))
         self.bar.update(self.rounds - 1 - more)
+        said = [f"calibration budget ({self.budget_s:.0f} s): costs measured in {1 + more} of {self.rounds} "
+                "rounds"] if 1 + more < self.rounds else []
         k, d = topks[len(topks) // 2], min(3, depth)
         probe = Candidate(k, d, min(16, k + (d - 1) * k * k), max(LOOKUP_LENS))
         c.overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, probe, self.base.lookup_ngram)
@@ -753,7 +795,7 @@ class _Calibrating:
             lookup = Candidate(0, 0, 0, max(x.lookup_len for x in self.cands if not x.topk))
             c.lookup_overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, lookup, self.base.lookup_ngram)
         self.bar.update(1)
-        return c, check_costs(c)
+        return c, said + check_costs(c)
 
     def traces(self, params: SamplingParams, share: float) -> tuple[list[Trace], list[str]]:
         """The prompts traced at one temperature while the next one fits in `share` seconds."""
@@ -769,6 +811,7 @@ class _Calibrating:
                                        self.axes["topks"], self.axes["depth"], lookup_lens=lens,
                                        lookup_ngram=self.base.lookup_ngram,
                                        reach_budget=max(64, max(c.budget for c in self.cands))))
+            traces[-1].category = self.categories[i] if self.categories is not None else None
             traced_s += time.perf_counter() - t_trace
             self.bar.update(1)
         return traces, []
@@ -821,6 +864,10 @@ def _settings(base: DraftSettings, cal: Calibration, target, space: SearchSpace,
     if not space.any_mode:
         why += (f"; searched only shapes with {_words(space.fixed)}" + (f" in mode {space.mode}" if space.mode else "")
                 + ("" if best["speedup"] > pays else f", none predicted faster than {pays:.2f}x plain: the best kept"))
+    if cal.per_category:
+        why += "; per category: " + ", ".join(
+            f"{cat}: {r['shape']}" + (f" {r['speedup']:.2f}x" if r["choice"] is not None else "")
+            for cat, r in cal.per_category.items())
     why += f"; {n_prompts} prompts in {cal.seconds:.0f} s"
     measured = {
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -832,6 +879,7 @@ def _settings(base: DraftSettings, cal: Calibration, target, space: SearchSpace,
         "costs": {f"{t:g}": _costs_dict(cc) for t, cc in cal.costs.items()},
         "top_candidates": [{"shape": r["label"], "speedup": round(r["speedup"], 4), **r["by_temperature"]}
                            for r in cal.rows[:8]],
+        **({"per_category": cal.per_category} if cal.per_category else {}),
     }
     return replace(chosen, chosen_by=why, measured=measured)
 

@@ -19,6 +19,8 @@ report.json keys (top level = the first temperature; `runs` holds one entry per 
   methods                   every speculative method of the run side by side (lookup, head, hybrid):
                             tau, alpha, accepted_by_source (head / lookup / both), tokens_per_s, speedup
   per_category              the same numbers per prompt category (with its own `methods`)
+  draft.measured.per_category   (--draft auto/calibrate, prompts of 2+ categories) the shape the cost model
+                            picks on each category's calibration prompts alone, beside the global choice
 matplotlib is optional: without it acceptance.png is skipped with a warning.
 """
 from __future__ import annotations
@@ -117,6 +119,18 @@ def category_rows(report: dict) -> list[list[str]]:
     return rows
 
 
+CHOICE_HEADER = ["category", "calibration prompts", "best shape here", "predicted speedup", "best candidate",
+                 "its speedup"]
+
+
+def choice_category_rows(report: dict) -> list[list[str]]:
+    """One row per category of calibration's per-category choice (cost.choose_per_category): the
+    shape that pays most on that category's prompts, plain decoding where none pays."""
+    per = ((report.get("draft") or {}).get("measured") or {}).get("per_category") or {}
+    return [[cat, str(r.get("prompts")), r.get("shape") or "–", _f(r.get("speedup"), ".2f") + "x",
+             r.get("best") or "–", _f(r.get("best_speedup"), ".2f") + "x"] for cat, r in per.items()]
+
+
 def _text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
@@ -167,6 +181,10 @@ def format_table(report: dict) -> str:
     cats = category_rows(report)
     if len({r[1] for r in cats}) > 1:
         parts += ["", _text_table(CATEGORY_HEADER, cats)]
+    choices = choice_category_rows(report)
+    if choices:
+        parts += ["", f"Draft shape per category (calibration; the run above used {report.get('draft_description')}):",
+                  _text_table(CHOICE_HEADER, choices)]
     for run in report.get("runs", []):
         if run.get("accepted_length_histogram"):
             parts.append(f"T={run['temperature']:g} accepted drafts per step (0..k): {run['accepted_length_histogram']}")
@@ -196,6 +214,12 @@ def format_markdown(report: dict) -> str:
     cats = category_rows(report)
     if cats:
         md += ["## Per category", "", _md_table(CATEGORY_HEADER, cats), ""]
+    choices = choice_category_rows(report)
+    if choices:
+        md += ["## Draft shape per category (calibration)", "",
+               f"The cost model's pick on each category's calibration prompts alone (plain decoding where no shape "
+               f"is predicted to pay); the run above used the global choice, {report.get('draft_description')}.", "",
+               _md_table(CHOICE_HEADER, choices), ""]
     md += ["## Accepted drafts per step", "", _md_table(
         ["T"] + [str(i) for i in range(report.get("k", 0) + 1)],
         [[_f(r["temperature"], "g")] + [str(n) for n in r.get("accepted_length_histogram") or []]
