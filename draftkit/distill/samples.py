@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import asdict
+from functools import partial
 
 from .context import DataContext
 from .grounded import grounded_prompts
@@ -182,7 +183,8 @@ def prepare_conversations(ctx: DataContext, num_samples: int) -> tuple[list[Conv
     data.sources (all of them synthesized when it is empty). The plain (not grounded) prompts and
     data.holdout more are loaded or synthesized (plain_prompts); the held-aside ones are evaluated,
     never trained on; the target answers the others, and then the grounded prompts built from those
-    answers (distill/grounded.py). A prompt is trained on once: repeats (of a held-aside one too) are
+    answers (distill/grounded.py; back_translate's first pass into German is answered on the way, not
+    trained on). A prompt is trained on once: repeats (of a held-aside one too) are
     dropped. stats["mixture"] counts the training prompts of each part.
     ctx.fmt "text" (completion mode, distill/text.py) needs sources: Magpie synthesis needs a chat template.
     Returns (train_conversations, holdout_prompts, stats).
@@ -196,7 +198,8 @@ def prepare_conversations(ctx: DataContext, num_samples: int) -> tuple[list[Conv
     convs = responses(ctx, train, d.responses)
     tasks = []
     if num_grounded:
-        tasks = _first_of_each(grounded_prompts(convs, num_grounded, d.grounded, seed=ctx.seed), seen)
+        first_pass = partial(regenerate, ctx, settings=d.responses)  # back_translate's German, as the target says it
+        tasks = _first_of_each(grounded_prompts(convs, num_grounded, d.grounded, ctx.seed, first_pass), seen)
         convs = convs + regenerate(ctx, tasks, d.responses)
     from_synth = sum(p.key() in synthesized for p in train)
     stats = dict(prompts=len(plain) + len(holdout) + num_grounded, holdout=len(holdout), grounded=num_grounded,

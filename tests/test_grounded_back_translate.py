@@ -1,0 +1,143 @@
+"""The back_translate grounded task (issue 20): Spec-Bench's translation prompts are German -> English,
+so the target's own German translation of one of its answers becomes the passage of a
+"Translate German to English: ..." prompt, which the target answers like every other task.
+
+A fake target (a function of the prompt) where the generation does not matter; test_distill's tiny
+random Llama for the run through prepare_conversations; nothing here reads ../shared or a real target.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+
+import pytest
+import torch
+
+from draftkit.config import DEFAULT_GROUNDED_TASKS, GROUNDED_TASKS, DataConfig, GroundedSettings, PromptSource
+from draftkit.config import load_recipe
+from draftkit.distill import Conversation, Prompt, grounded_prompts, regenerate
+from draftkit.distill.samples import prepare_conversations
+from draftkit.schema import ConfigError
+from tests.test_distill import ctx, generated_rows, model, tokenizer  # noqa: F401  (fixtures)
+from tests.test_mix import ROOT, SAMPLED, share_file
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def answers(n: int) -> list[Conversation]:
+    """n plain conversations whose English answers are long enough to be passages."""
+    return [Conversation(Prompt([{"role": "user", "content": f"Question {i}?"}], None, f"q:{i}"),
+                         f"Answer number {i} says something long enough. " * 6, False, 5) for i in range(n)]
+
+
+class FakeTarget:
+    """Answers each prompt with a text made from it (padded with spaces, which the passage drops);
+    records every call's prompts."""
+
+    def __init__(self, reply=lambda text: f"Deutsch: {text[::-1]}"):
+        self.calls, self.reply = [], reply
+
+    def __call__(self, prompts: list[Prompt]) -> list[Conversation]:
+        self.calls.append(prompts)
+        return [Conversation(p, f"  {self.reply(p.messages[0]['content'])} \n", False, 7) for p in prompts]
+
+
+def test_the_second_pass_asks_for_english_from_exactly_the_first_pass_german():
+    """Each back_translate prompt is Spec-Bench's wording around the target's German for that task,
+    stripped, and names it as target text; the first pass (one call) is the translate task into German
+    over one of the target's answers; the English answer is nowhere in the prompt trained on."""
+    convs, target = answers(6), FakeTarget()
+    settings = GroundedSettings(fraction=0.5, tasks=["back_translate"], min_chars=10)
+    out = grounded_prompts(convs, 4, settings, seed=1, answer=target)
+    (firsts,) = target.calls
+    english = {c.response.strip() for c in convs}
+    assert len(firsts) == len(out) == 4
+    for first, task in zip(firsts, out):
+        (source,) = first.target_text
+        assert source in english
+        assert first.messages == [{"role": "user", "content": f"Translate the following text into German.\n\n{source}"}]
+        german = target.reply(first.messages[0]["content"])
+        assert task.messages == [{"role": "user", "content": f"Translate German to English: {german}"}]
+        assert task.target_text == (german,) and task.category == "grounded-back_translate"
+        assert task.id.startswith("grounded:back_translate:") and source not in task.messages[0]["content"]
+    assert out == grounded_prompts(convs, 4, settings, seed=1, answer=FakeTarget())  # deterministic
+
+
+def test_back_translate_takes_its_share_of_the_grounded_tasks():
+    """Drawn uniformly like every kind: eagle-mix's six kinds at ~1/6 each (within 4 sigma of the
+    binomial), back_translate's first passes asked in one call, one per task."""
+    tasks = load_recipe(ROOT / "recipes" / "eagle-mix.yaml").data.grounded.tasks
+    assert sorted(tasks) == sorted(GROUNDED_TASKS) and "back_translate" in tasks
+    target, n = FakeTarget(), 600
+    out = grounded_prompts(answers(40), n, GroundedSettings(fraction=0.4, tasks=tasks), seed=0, answer=target)
+    counts = Counter(p.category.removeprefix("grounded-") for p in out)
+    sigma = (n * (1 / 6) * (5 / 6)) ** 0.5
+    assert len(out) == n and set(counts) == set(tasks)
+    assert all(abs(c - n / 6) <= 4 * sigma for c in counts.values()), counts
+    assert [len(c) for c in target.calls] == [counts["back_translate"]]
+
+
+def test_prepare_trains_on_the_second_pass_over_the_targets_own_first_pass(model, tokenizer, tmp_path,
+                                                                            generated_rows):
+    """Through prepare_conversations on the tiny Llama: 4 plain prompts answered, 2 first passes into
+    German (not trained on), 2 back_translate tasks over those German answers as the response cache
+    holds them (not over the English answers), answered in turn."""
+    data = DataConfig(sources=[PromptSource(str(share_file(tmp_path)))], responses=SAMPLED, holdout=1,
+                      grounded=GroundedSettings(fraction=1 / 3, tasks=["back_translate"], min_chars=1))
+    run = ctx(model, tokenizer, tmp_path / "cache", data=data, seed=0)
+    convs, _, stats = prepare_conversations(run, 6)
+    assert stats["mixture"] == {"sources": 4, "synthesized": 0, "grounded": 2} and generated_rows == [4, 2, 2]
+    english = [c.response.strip() for c in convs if not c.prompt.id.startswith("grounded:")]
+    firsts = [Prompt([{"role": "user", "content": GROUNDED_TASKS["translate"].format(passage=e, language="German")}],
+                     None, "first") for e in english]
+    generated_rows.clear()
+    german = {c.response.strip() for c in regenerate(run, firsts, SAMPLED)}  # the 2 asked, read back from the cache
+    assert generated_rows == [2]  # the other 2 sources were not asked for a first pass
+    tasks = [c for c in convs if c.prompt.id.startswith("grounded:")]
+    assert len(tasks) == 2 and not any("into German" in c.prompt.messages[0]["content"] for c in convs)
+    for c in tasks:
+        (passage,) = c.prompt.target_text
+        assert passage in german and passage not in english
+        assert c.prompt.messages[0]["content"] == f"Translate German to English: {passage}"
+
+
+class Shell:  # what the prepared data's key reads of a target
+    name, fingerprint, dtype, config = "tiny", "f", torch.float32, None
+    tokenizer = None
+
+
+def test_recipes_that_do_not_ask_for_it_keep_their_keys_and_prompts():
+    """The default kinds are the five there were; recipe hashes, prepared-data keys and grounded
+    prompt ids as main had them at d5e1861 (before back_translate); eagle-mix, which asks for it,
+    differs from its old hash by that one field."""
+    from draftkit.distill.prepare import _fingerprint_payload, _hash
+
+    assert GroundedSettings().tasks == list(DEFAULT_GROUNDED_TASKS) and "back_translate" not in DEFAULT_GROUNDED_TASKS
+    old = {"eagle": ("f78a2fc847ab2f46", "172980419dd030ef59c4e511"),
+           "eagle3": ("6e62933c982c8b1a", "972fcf0be1a8f55c8e4a2ad5")}
+    for name, (recipe_hash, data_key) in old.items():
+        recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", ["data.responses.engine=hf"])
+        assert (recipe.fingerprint(), _hash(_fingerprint_payload(recipe, Shell, 10))) == (recipe_hash, data_key)
+    for passages, ids in ((1, "86fa5b8eff5ac1fc"), (3, "be5a74b6509e06db")):  # ids hash each prompt's text
+        prompts = grounded_prompts(answers(12), 30, GroundedSettings(fraction=0.5, passages=passages), seed=7)
+        assert hashlib.sha256("".join(p.id for p in prompts).encode()).hexdigest()[:16] == ids
+    mix = load_recipe(ROOT / "recipes" / "eagle-mix.yaml", ["data.responses.engine=hf"])
+    five = load_recipe(ROOT / "recipes" / "eagle-mix.yaml", ["data.responses.engine=hf",
+                                                             f"data.grounded.tasks={list(DEFAULT_GROUNDED_TASKS)}"])
+    assert five.fingerprint() == "fd8e71b870a40714" != mix.fingerprint()
+
+
+def test_bad_back_translate_settings_name_the_field(caplog):
+    """A misspelt kind names data.grounded.tasks and the kinds there are; a caller that cannot answer
+    the first pass is refused naming the task; a first pass with no German drops its task, logged."""
+    with pytest.raises(ConfigError, match=r"data\.grounded\.tasks: unknown \['back_translation'\]; expected names "
+                                          r"from .*'back_translate'"):
+        GroundedSettings(tasks=["summarize", "back_translation"])
+    settings = GroundedSettings(fraction=0.5, tasks=["back_translate"], min_chars=10)
+    with pytest.raises(ValueError, match=r"data\.grounded\.tasks: back_translate needs the target to answer"):
+        grounded_prompts(answers(3), 2, settings)
+    silent = FakeTarget(reply=lambda text: "" if "number 0 " in text else "Deutsch, lang genug.")
+    with caplog.at_level(logging.WARNING, logger="draftkit.distill.grounded"):
+        out = grounded_prompts(answers(3), 3, settings, seed=0, answer=silent)
+    assert len(out) == 2 and "1 of 3 back_translate first passes gave under 10 characters" in caplog.text
