@@ -2,10 +2,13 @@
 to drafting, lossless T = 0 / T > 0 in the real loop, save / load, training decreasing the loss."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from draftkit.heads import HeadError, build_head, load_head
 from draftkit.heads.dflash import zflash_layer_ids
@@ -628,3 +631,103 @@ def test_training_run_logs_heldout_agreement_per_block_position(tiny_model_dir, 
     per = {k: v for k, v in log[-1].items() if k.startswith("heldout_acc_")}
     assert sorted(per) == [f"heldout_acc_{i}" for i in range(1, B)] and all(0 <= v <= 1 for v in per.values())
     assert per["heldout_acc_1"] == pytest.approx(log[-1]["heldout_acc"])  # position 1 is the top-1 figure
+
+
+ZLAB = Path(__file__).parent / "fixtures" / "zlab-dflash"  # a z-lab config.json, sized down (SOURCE.md there)
+
+
+def zlab_tensor_names(c: dict) -> list[str]:
+    """The tensors of z-lab's DFlashDraftModel (z-lab/dflash dflash/model.py; the names of its
+    published safetensors, no `model.` prefix, no embed_tokens / lm_head / mask vector)."""
+    layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+             "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+             "post_attention_layernorm"]
+    return ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
+        f"layers.{i}.{m}.weight" for i in range(c["num_hidden_layers"]) for m in layer]
+
+
+def write_zlab_draft(out: Path, cfg: dict) -> dict:
+    """A directory as z-lab publishes it: config.json and model.safetensors of random weights."""
+    from safetensors.torch import save_file
+
+    H, hd, I = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    G = len(cfg["dflash_config"]["target_layer_ids"])
+    shape = {"fc": (H, G * H), "q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q),
+             "q_norm": (hd,), "k_norm": (hd,), "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    torch.manual_seed(3)
+    state = {n: torch.randn(shape.get(n.split(".")[-2], (H,))) for n in zlab_tensor_names(cfg)}
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file(state, out / "model.safetensors")
+    return state
+
+
+def test_import_of_a_published_zlab_dflash_draft(tiny_model_dir, tmp_path, capsys):  # noqa: F811
+    """`draftkit import --format vllm` of z-lab's published layout (tests/fixtures/zlab-dflash, sized
+    to the tiny target of test_train): every tensor lands in our head unchanged, block size / layer
+    ids (z-lab's i = our i + 1) / mask token as the config says, the mask vector the target's row of
+    mask_token_id. The DFlash2 place of block_size (inside dflash_config, z-lab/dflash
+    tests/fixtures/dflash2-config.json) is read, not defaulted; a config lacking a field, or with
+    z-lab's logit scaling, is refused naming the file and the field."""
+    from draftkit.cli import main
+    from draftkit.export.cli import load_target_arg
+
+    def imports(cfg: dict, name: str) -> int:
+        write_zlab_draft(tmp_path / name, cfg)
+        return main(["import", str(tmp_path / name), "--format", "vllm", "--out", str(tmp_path / f"{name}-ours"),
+                     "--target", str(tiny_model_dir)])
+
+    cfg = json.loads((ZLAB / "config.json").read_text())
+    target = load_target_arg(str(tiny_model_dir))
+    assert imports(cfg, "zlab") == 0
+    state = load_file(tmp_path / "zlab" / "model.safetensors")
+    head = load_head(tmp_path / "zlab-ours", target)
+    got = head.state_dict()
+    assert set(got) == set(state) | {"mask_embedding", "d2t", "t2d"}
+    for name, t in state.items():
+        assert torch.equal(got[name], t), name
+    c = head.config
+    assert (c.block_size, list(head.feature_layers), c.mask_token_id, c.num_layers) == (8, [1, 3], 383, 2)
+    assert torch.equal(head.mask_embedding.data, target.embed_tokens.weight[383].detach())
+    v2 = {k: v for k, v in cfg.items() if k != "block_size"}
+    v2["dflash_config"] = {**cfg["dflash_config"], "block_size": 6}  # not z-lab's default 16
+    assert imports(v2, "v2") == 0 and load_head(tmp_path / "v2-ours", target).config.block_size == 6
+    capsys.readouterr()
+    for name, dc, want in (("no-mask", {"target_layer_ids": [0, 2]}, "config.json: mask_token_id is missing"),
+                           ("scaled", {**cfg["dflash_config"], "output_multiplier": 0.2},
+                            "config.json: output_multiplier = 0.2")):
+        assert imports({**cfg, "dflash_config": dc}, name) == 1
+        assert want in capsys.readouterr().err, name
+    assert imports({**cfg, "num_target_layers": 36}, "other-target") == 1  # z-lab's Qwen3-8B draft's value
+    assert "config.json: num_target_layers = 36, but target" in capsys.readouterr().err
+    no_block = {k: v for k, v in v2.items() if k != "dflash_config"}  # in neither place
+    assert imports({**no_block, "dflash_config": {"mask_token_id": 383, "target_layer_ids": [0, 2]}}, "no-block") == 1
+    assert "config.json: block_size is missing (looked for dflash_config.block_size" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_kill_and_resume_equals_uninterrupted_run_with_a_dflash_head(tiny_model_dir, prompt_file,  # noqa: F811
+                                                                     tmp_path):
+    """A DFlash head draws its training anchors from the torch RNG (DFlashHead.anchors: 2 of the
+    ~12 loss positions per sample, no feature noise, so the anchors are the run's only draw): killed
+    after step 3 and resumed from the step-2 checkpoint, its weights equal the uninterrupted run's
+    only if the checkpoint brings the RNG state back (the machinery of test_train's kill-and-resume
+    test: its recipe, its fault hook, its weight reader)."""
+    from tests.test_train import head_weights, python_run, recipe_args
+
+    common = ["train.max_steps=6", "train.save_every=2", "train.epochs=2", "head.type=dflash",
+              f"head.block_size={B}", "head.feature_layers=[1, 3]", "head.num_anchors=2"]
+    run = lambda out, env=None: python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / out, tmp_path / "cache",
+                                                       *common), env_extra=env)  # noqa: E731
+    full = run("full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = run("res", {"DRAFTKIT_FAULT_KILL_AFTER_STEP": "3"})
+    assert killed.returncode == -9 and (tmp_path / "res" / "checkpoints" / "LATEST").read_text() == "step2"
+    resumed = run("res")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
+    a, b = head_weights(tmp_path / "full"), head_weights(tmp_path / "res")
+    assert a.keys() == b.keys() and "fc.weight" in a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)

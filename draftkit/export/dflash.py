@@ -40,11 +40,27 @@ LAYERS = ("vLLM DFlash: dflash_config.target_layer_ids = the target layer whose 
           "(= draftkit's id - 1); vLLM adds 1 (eagle3_utils.get_eagle3_aux_layers_from_config)")
 
 
+# z-lab's published drafts (z-lab/dflash dflash/model.py, DFlashDraftModel and its `_draft_value`):
+# block_size, mask_token_id and target_layer_ids are read from dflash_config first, then from the top
+# level (Qwen3-8B-DFlash-b16 has block_size at the top and the other two in dflash_config; the
+# DFlash2 checkpoints, z-lab/dflash tests/fixtures/dflash2-config.json, carry block_size inside
+# dflash_config). z-lab's id i reads hidden_states[i + 1] (extract_context_feature): draftkit's i + 1.
+# Logit or input scalings z-lab's code applies (output_multiplier, final_logit_softcapping,
+# input_embedding_scale) are not draftkit's DFlash: refused unless neutral.
+ZLAB_NEUTRAL = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+
+
+def dflash_field(c: dict, name: str):
+    """A DFlash field as z-lab's loader finds it: dflash_config.<name>, else the top-level <name>."""
+    dc = c.get("dflash_config") or {}
+    return dc[name] if dc.get(name) is not None else c.get(name)
+
+
 def dflash_shapes(c: dict) -> Shapes:
     """The draft checkpoint tensors DFlashQwen3ForCausalLM builds and loads from a config.json."""
     H, V = c["hidden_size"], c["vocab_size"]
     hd = c.get("head_dim") or H // c["num_attention_heads"]
-    G = len((c.get("dflash_config") or {}).get("target_layer_ids") or ())
+    G = len(dflash_field(c, "target_layer_ids") or ())
     if not G:
         raise ExportError("config.json: dflash_config.target_layer_ids is empty (vLLM then reads every layer)")
     s: Shapes = {"fc.weight": (H, G * c.get("target_hidden_size", H)), "hidden_norm.weight": (H,), "norm.weight": (H,)}
@@ -103,11 +119,20 @@ def config_in(c: dict, ctx: Context) -> dict:
     if c.get("target_hidden_size", c["hidden_size"]) != c["hidden_size"] or dc.get("attention_sink_bias"):
         raise ExportError("config.json: target_hidden_size differs from hidden_size, or attention sinks: not "
                           "draftkit's DFlash")
-    for key in ("mask_token_id", "target_layer_ids"):
-        if dc.get(key) is None:
-            raise ExportError(f"config.json: dflash_config.{key} is missing")
-    return native_fields(c, c.get("block_size", 16), dc["mask_token_id"], [i + 1 for i in dc["target_layer_ids"]],
-                         c.get("draft_vocab_size"))
+    for key, neutral in ZLAB_NEUTRAL.items():
+        if dflash_field(c, key) not in (None, neutral):
+            raise ExportError(f"config.json: {key} = {dflash_field(c, key)!r} (z-lab scales the draft's inputs or "
+                              "logits by it); draftkit's DFlash has no such scaling")
+    for key in ("block_size", "mask_token_id", "target_layer_ids"):
+        if dflash_field(c, key) is None:
+            raise ExportError(f"config.json: {key} is missing (looked for dflash_config.{key} and a top-level "
+                              f"{key}, where z-lab's DFlashDraftModel reads it)")
+    n_target = c.get("num_target_layers")
+    if n_target is not None and ctx.target is not None and n_target != ctx.target.num_layers:
+        raise ExportError(f"config.json: num_target_layers = {n_target}, but target {ctx.target.name} has "
+                          f"{ctx.target.num_layers} layers (the draft was trained on another target)")
+    return native_fields(c, int(dflash_field(c, "block_size")), dflash_field(c, "mask_token_id"),
+                         [i + 1 for i in dflash_field(c, "target_layer_ids")], c.get("draft_vocab_size"))
 
 
 def native_fields(layer: dict, block_size: int, mask_token_id: int, feature_layers: list[int],
