@@ -17,6 +17,7 @@ import torch
 from draftkit.config import DEFAULT_GROUNDED_TASKS, GROUNDED_TASKS, DataConfig, GroundedSettings, PromptSource
 from draftkit.config import load_recipe
 from draftkit.distill import Conversation, Prompt, grounded_prompts, regenerate
+from draftkit.distill.grounded import REDRAW_ROUNDS
 from draftkit.distill.samples import prepare_conversations
 from draftkit.schema import ConfigError
 from tests.test_distill import ctx, generated_rows, model, tokenizer  # noqa: F401  (fixtures)
@@ -33,14 +34,19 @@ def answers(n: int) -> list[Conversation]:
 
 class FakeTarget:
     """Answers each prompt with a text made from it (padded with spaces, which the passage drops);
-    records every call's prompts."""
+    records every call's prompts. `cut(text)`: whether that answer hit max_new_tokens (truncated)."""
 
-    def __init__(self, reply=lambda text: f"Deutsch: {text[::-1]}"):
-        self.calls, self.reply = [], reply
+    def __init__(self, reply=lambda text: f"Deutsch: {text[::-1]}", cut=lambda text: False):
+        self.calls, self.reply, self.cut = [], reply, cut
 
     def __call__(self, prompts: list[Prompt]) -> list[Conversation]:
         self.calls.append(prompts)
-        return [Conversation(p, f"  {self.reply(p.messages[0]['content'])} \n", False, 7) for p in prompts]
+        return [Conversation(p, f"  {self.reply(p.messages[0]['content'])} \n", self.cut(p.messages[0]["content"]), 7)
+                for p in prompts]
+
+
+def german_of(target: FakeTarget, first: Prompt) -> str:
+    return target.reply(first.messages[0]["content"])
 
 
 def test_the_second_pass_asks_for_english_from_exactly_the_first_pass_german():
@@ -141,3 +147,71 @@ def test_bad_back_translate_settings_name_the_field(caplog):
     with caplog.at_level(logging.WARNING, logger="draftkit.distill.grounded"):
         out = grounded_prompts(answers(3), 3, settings, seed=0, answer=silent)
     assert len(out) == 2 and "1 of 3 back_translate first passes gave under 10 characters" in caplog.text
+
+
+def test_a_first_pass_cut_at_max_new_tokens_is_no_passage_and_its_task_takes_a_spare_answer(caplog):
+    """Two of six first passes hit max_new_tokens: their German is in no prompt; those two tasks keep
+    their places with the German of the first two spare answers (not drawn, complete, asked in one
+    more call: 3 of them, for 2 tasks at the failure rate 2/6 seen), and the four whose first pass finished are exactly the prompts (ids: cache keys) they were."""
+    convs, settings = answers(12), GroundedSettings(fraction=0.5, tasks=["back_translate"], min_chars=10)
+    plain = FakeTarget()
+    whole = grounded_prompts(convs, 6, settings, seed=1, answer=plain)
+    (firsts,) = plain.calls
+    cut = {firsts[1].messages[0]["content"], firsts[4].messages[0]["content"]}
+    target = FakeTarget(cut=lambda text: text in cut)
+    with caplog.at_level(logging.INFO, logger="draftkit.distill.grounded"):
+        out = grounded_prompts(convs, 6, settings, seed=1, answer=target)
+    assert len(out) == 6 and len({p.id for p in out}) == 6
+    assert [p for j, p in enumerate(out) if j not in (1, 4)] == [p for j, p in enumerate(whole) if j not in (1, 4)]
+    assert [len(c) for c in target.calls] == [6, 3] and target.calls[0] == firsts
+    passages = {p.target_text[0] for p in out}
+    assert not passages & {german_of(target, firsts[j]) for j in (1, 4)}
+    drawn = {f.target_text for f in firsts}
+    for j, spare in zip((1, 4), target.calls[1]):
+        assert spare.target_text not in drawn and spare.messages[0]["content"] not in cut
+        assert out[j].messages == [{"role": "user", "content": f"Translate German to English: {german_of(target, spare)}"}]
+    assert "2 of 6 back_translate tasks had their German or their source answer cut" in caplog.text
+
+
+def test_an_answer_cut_at_max_new_tokens_is_never_translated_for_back_translate():
+    """Source answers that hit max_new_tokens are not sent to the first pass: a task drawn over one
+    takes a spare complete answer in the same (first) call; the others are as with no answer cut."""
+    settings = GroundedSettings(fraction=0.5, tasks=["back_translate"], min_chars=10)
+    plain = FakeTarget()
+    whole = grounded_prompts(answers(12), 6, settings, seed=1, answer=plain)
+    cut_text = {plain.calls[0][1].target_text[0], plain.calls[0][4].target_text[0]}  # the sources of tasks 1, 4
+    convs = answers(12)
+    for c in convs:
+        c.truncated = c.response.strip() in cut_text
+    target = FakeTarget()
+    out = grounded_prompts(convs, 6, settings, seed=1, answer=target)
+    (firsts,) = target.calls
+    assert len(firsts) == len(out) == 6 and not any(f.target_text[0] in cut_text for f in firsts)
+    assert [j for j, p in enumerate(out) if p != whole[j]] == [1, 4] and len({p.id for p in out}) == 6
+
+
+def test_cut_first_passes_keep_every_kinds_share():
+    """eagle-mix's six kinds, a target that cuts every third first pass: each kind has exactly the
+    count it has when nothing is cut, the grounded total is n, and no cut German is a passage."""
+    tasks = load_recipe(ROOT / "recipes" / "eagle-mix.yaml").data.grounded.tasks
+    settings, n = GroundedSettings(fraction=0.4, tasks=tasks), 300
+    whole = grounded_prompts(answers(400), n, settings, seed=0, answer=FakeTarget())
+    cut = lambda text: int(hashlib.sha256(text.encode()).hexdigest(), 16) % 3 == 0  # noqa: E731
+    target = FakeTarget(cut=cut)
+    out = grounded_prompts(answers(400), n, settings, seed=0, answer=target)
+    kinds = lambda prompts: Counter(p.category for p in prompts)  # noqa: E731
+    assert len(out) == n and kinds(out) == kinds(whole) and len({p.id for p in out}) == n
+    cut_german = {german_of(target, f) for call in target.calls for f in call if cut(f.messages[0]["content"])}
+    assert cut_german and not cut_german & {p.target_text[0] for p in out if p.category == "grounded-back_translate"}
+    assert 2 <= len(target.calls) <= 1 + REDRAW_ROUNDS
+
+
+def test_a_task_with_no_spare_left_is_dropped_and_said(caplog):
+    """Every answer is a back_translate source already: the task whose first pass was cut is dropped
+    (the others kept), and the log says why."""
+    settings = GroundedSettings(fraction=0.5, tasks=["back_translate"], min_chars=10)
+    target = FakeTarget(cut=lambda text: "number 1 " in text)
+    with caplog.at_level(logging.WARNING, logger="draftkit.distill.grounded"):
+        out = grounded_prompts(answers(3), 3, settings, seed=0, answer=target)
+    assert len(out) == 2 and len(target.calls) == 1 and not any("number 1 " in p.target_text[0][::-1] for p in out)
+    assert "1 back_translate tasks found no spare answer whose German finished" in caplog.text
