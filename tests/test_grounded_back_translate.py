@@ -14,10 +14,12 @@ from collections import Counter
 import pytest
 import torch
 
-from draftkit.config import DEFAULT_GROUNDED_TASKS, GROUNDED_TASKS, DataConfig, GroundedSettings, PromptSource
+from draftkit.config import DEFAULT_GROUNDED_TASKS, GROUNDED_TASKS, DataConfig, GenerationSettings, GroundedSettings
+from draftkit.config import PromptSource
 from draftkit.config import load_recipe
 from draftkit.distill import Conversation, Prompt, grounded_prompts, regenerate
 from draftkit.distill.grounded import REDRAW_ROUNDS
+from draftkit.distill.regenerate import prompt_ids, read_cached
 from draftkit.distill.samples import prepare_conversations
 from draftkit.schema import ConfigError
 from tests.test_distill import ctx, generated_rows, model, tokenizer  # noqa: F401  (fixtures)
@@ -215,3 +217,72 @@ def test_a_task_with_no_spare_left_is_dropped_and_said(caplog):
         out = grounded_prompts(answers(3), 3, settings, seed=0, answer=target)
     assert len(out) == 2 and len(target.calls) == 1 and not any("number 1 " in p.target_text[0][::-1] for p in out)
     assert "1 back_translate tasks found no spare answer whose German finished" in caplog.text
+
+
+def test_both_engines_record_a_response_cut_at_max_new_tokens_the_same_way(model, tokenizer, tmp_path, monkeypatch):
+    """The cache's `truncated` (what back_translate reads) from the tokens each engine returns, faked
+    alike: HF's `generate` (rows padded after their stop token) and vLLM's worker (token ids with the
+    stop token): a row without a stop token within max_new_tokens is cut, one whose stop token is the
+    last allowed token is not; text and token counts agree too."""
+    from draftkit.distill.regenerate import stop_token_ids
+    from draftkit.engines import vllm_data
+
+    stop, (a, b, c, d) = stop_token_ids(model, tokenizer)[0], tokenizer(" one two three four")["input_ids"][:4]
+    rows = [[a, b, stop], [a, b, c, d], [a, b, c, stop], [stop]]  # max_new_tokens 4
+    prompts = [Prompt([{"role": "user", "content": f"question {i}"}], None, f"q{i}") for i in range(4)]
+    run = ctx(model, tokenizer, tmp_path, model_dir="tiny-dir")
+    row_of = {tuple(i): r for i, r in zip(prompt_ids(tokenizer, prompts), rows)}
+
+    def hf_generate(input_ids, attention_mask, max_new_tokens, pad_token_id, **_):
+        out = [row_of[tuple(i[m.bool()].tolist())] for i, m in zip(input_ids, attention_mask)]
+        return torch.cat([input_ids, torch.tensor([r + [pad_token_id] * (max_new_tokens - len(r)) for r in out])], 1)
+
+    def vllm_generate(model_dir, dtype, ids, seeds, sampling, chunk_size, llm_kwargs):
+        assert stop in sampling.stop_token_ids and sampling.max_tokens == 4
+        yield list(range(len(ids))), [row_of[tuple(i)] for i in ids]
+
+    monkeypatch.setattr(model, "generate", hf_generate)
+    monkeypatch.setattr(vllm_data, "generate_responses", vllm_generate)
+    monkeypatch.setattr(vllm_data, "cpu_refusal", lambda config: None)  # the tiny Llama's head size is no matter here
+    got = {engine: [(c.response, c.truncated, c.num_tokens) for c in regenerate(
+        run, prompts, GenerationSettings(max_new_tokens=4, batch_size=4, engine=engine))] for engine in ("hf", "vllm")}
+    assert got["hf"] == got["vllm"]
+    assert [t for _, t, _ in got["hf"]] == [False, True, False, False] and [n for *_, n in got["hf"]] == [3, 4, 4, 1]
+
+
+def test_prepare_never_makes_a_passage_of_german_the_tiny_llama_cut(model, tokenizer, tmp_path, caplog, monkeypatch):
+    """Through prepare_conversations, the tiny Llama sampling at most 6 tokens (a quarter of its answers
+    cut): every back_translate passage is a first pass the target finished, over a source answer it
+    finished (as regenerate returns them from the response cache); the tasks whose German was cut took
+    spares (none left waiting; the tiny Llama's empty or repeated German is dropped as before, so the
+    count is not checked here)."""
+    from draftkit.distill import samples
+
+    answered = []  # (prompt, conversation) of every regenerate call
+
+    def spy(*args, **kwargs):
+        convs = regenerate(*args, **kwargs)
+        answered.extend((c.prompt, c) for c in convs)
+        return convs
+
+    monkeypatch.setattr(samples, "regenerate", spy)
+    data = DataConfig(sources=[PromptSource(str(share_file(tmp_path, 60)))], holdout=1,
+                      responses=GenerationSettings(max_new_tokens=6, temperature=1.0, batch_size=16),
+                      grounded=GroundedSettings(fraction=0.25, tasks=["back_translate"], min_chars=1))
+    run = ctx(model, tokenizer, tmp_path / "cache", data=data, seed=0)
+    with caplog.at_level(logging.INFO, logger="draftkit.distill.grounded"):
+        convs, _, stats = prepare_conversations(run, 40)
+    assert stats["mixture"]["sources"] == 30 and stats["mixture"]["grounded"] == len(convs) - 30 > 0
+    english = {c.response.strip(): c.truncated for c in convs[:30]}
+    firsts = [(p, c) for p, c in answered if p.category == "grounded-back_translate-first"]
+    assert any(c.truncated for _, c in firsts), "no first pass was cut: the test tests nothing"
+    assert any(english.values()), "no answer was cut: the test tests nothing"
+    assert all(english[t] is False for p, _ in firsts for t in p.target_text)  # only finished answers translated
+    german = {}
+    for _, c in firsts:
+        german.setdefault(c.response.strip(), []).append(c.truncated)
+    for c in convs[30:]:
+        (passage,) = c.prompt.target_text
+        assert False in german[passage], passage  # a German the target finished
+    assert "back_translate tasks had their German or their source answer cut" in caplog.text
+    assert "found no spare" not in caplog.text
