@@ -154,7 +154,8 @@ def test_bad_back_translate_settings_name_the_field(caplog):
 def test_a_first_pass_cut_at_max_new_tokens_is_no_passage_and_its_task_takes_a_spare_answer(caplog):
     """Two of six first passes hit max_new_tokens: their German is in no prompt; those two tasks keep
     their places with the German of the first two spare answers (not drawn, complete, asked in one
-    more call: 3 of them, for 2 tasks at the failure rate 2/6 seen), and the four whose first pass finished are exactly the prompts (ids: cache keys) they were."""
+    more call: 3 of them, for 2 tasks at the failure rate 2/6 seen), and the four whose first pass
+    finished are exactly the prompts (ids: cache keys) they were."""
     convs, settings = answers(12), GroundedSettings(fraction=0.5, tasks=["back_translate"], min_chars=10)
     plain = FakeTarget()
     whole = grounded_prompts(convs, 6, settings, seed=1, answer=plain)
@@ -171,7 +172,8 @@ def test_a_first_pass_cut_at_max_new_tokens_is_no_passage_and_its_task_takes_a_s
     drawn = {f.target_text for f in firsts}
     for j, spare in zip((1, 4), target.calls[1]):
         assert spare.target_text not in drawn and spare.messages[0]["content"] not in cut
-        assert out[j].messages == [{"role": "user", "content": f"Translate German to English: {german_of(target, spare)}"}]
+        german = german_of(target, spare)
+        assert out[j].messages == [{"role": "user", "content": f"Translate German to English: {german}"}]
     assert "2 of 6 back_translate tasks had their German or their source answer cut" in caplog.text
 
 
