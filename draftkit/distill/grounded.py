@@ -45,7 +45,7 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
                      seed: int = 0, answer: Answer | None = None) -> list[Prompt]:
     """n prompts, each a task over settings.passages responses of `convs` joined (each response
     used at most once while there are unused ones), deterministic in (convs, n, settings, seed) and,
-    for back_translate, in what `answer` says to the first passes (all in one call; back_translate
+    for back_translate, in what `answer` says to the first passes (one call, more for cut ones; back_translate
     needs it). Each prompt names its passages as `target_text` (they are the target's own text).
     A back_translate whose German is shorter than settings.min_chars is dropped (logged); one whose
     first pass or source answer was cut at max_new_tokens takes a spare answer's German instead
