@@ -376,6 +376,23 @@ def test_prepare_with_vllm_builds_no_hf_decoder(magpie_target_dir, tmp_path, mon
     assert batches and all(json.loads(b.read_text()) for b in batches)  # vLLM's sampled rows, kept
 
 
+def test_vllm_and_hf_say_alike_which_responses_were_cut(magpie_target_dir, tmp_path):
+    """The real vLLM and HF, greedy fp32 on the target that ends turns within a few tokens, at 6 new
+    tokens: the same responses, and the same `truncated` (no stop token within max_new_tokens), which
+    back_translate reads to refuse a cut passage; some responses end, some are cut."""
+    from draftkit.target import load_target
+
+    target = load_target(str(magpie_target_dir), dtype="float32")
+    run = DataContext(target.model, target.tokenizer, tmp_path, f"{target.name}:{target.fingerprint}",
+                      progress=False, model_dir=str(magpie_target_dir))
+    prompts = [Prompt([{"role": "user", "content": f"say {w} {i}"}], "chat", f"s{i}")
+               for i, w in enumerate("one two three four five six seven eight nine ten eleven twelve".split())]
+    got = {engine: [(c.response, c.truncated, c.num_tokens) for c in regenerate(
+        run, prompts, GenerationSettings(max_new_tokens=6, batch_size=12, engine=engine))] for engine in ("hf", "vllm")}
+    assert got["hf"] == got["vllm"]
+    assert {t for _, t, _ in got["vllm"]} == {True, False}, got["vllm"]
+
+
 def test_auto_follows_draftkit_data_engine(fresh_auto, monkeypatch):
     """$DRAFTKIT_DATA_ENGINE decides auto without looking for vLLM (and a wrong value is named)."""
     monkeypatch.setenv("DRAFTKIT_VLLM_PYTHON", "/nonexistent/python")

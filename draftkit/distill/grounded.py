@@ -13,11 +13,18 @@ while `translate` asks the target to write the other language). Its first pass a
 translate a response into German (the `translate` task's wording); the target's German, exactly as it
 answered, becomes the passage of a "Translate German to English: ..." prompt, which the target then
 answers like every other task. The first pass is not trained on: it only makes the passage.
+A passage must be German the target finished: a first pass cut at max_new_tokens (no stop token; the
+response cache's `truncated`, which both engines record from the tokens) would make the task translate
+text that stops mid-sentence, and so would a source answer that was itself cut. Such a task keeps its
+place and takes the German of the next spare answer (complete, in the draws' order, not a source of
+another back_translate) that finished, so recipes keep their task counts and shares, and every task
+whose pass finished keeps the prompt (and cache key) it had.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 from collections.abc import Callable
 
@@ -29,6 +36,7 @@ from .sources import Prompt
 log = logging.getLogger(__name__)
 LANGUAGES = ("French", "German", "Spanish", "Italian", "Portuguese")
 BACK_FROM = "German"  # the language back_translate's first pass writes (Spec-Bench: WMT German -> English)
+REDRAW_ROUNDS = 4  # at most this many more first-pass calls for back_translate tasks whose German was cut
 
 Answer = Callable[[list[Prompt]], list[Conversation]]  # the target answering prompts, in order
 
@@ -37,31 +45,35 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
                      seed: int = 0, answer: Answer | None = None) -> list[Prompt]:
     """n prompts, each a task over settings.passages responses of `convs` joined (each response
     used at most once while there are unused ones), deterministic in (convs, n, settings, seed) and,
-    for back_translate, in what `answer` says to the first passes (all in one call; back_translate
+    for back_translate, in what `answer` says to the first passes (one call, more for cut ones; back_translate
     needs it). Each prompt names its passages as `target_text` (they are the target's own text).
-    A back_translate whose German is shorter than settings.min_chars is dropped (logged)."""
+    A back_translate whose German is shorter than settings.min_chars is dropped (logged); one whose
+    first pass or source answer was cut at max_new_tokens takes a spare answer's German instead
+    (module docstring; dropped, logged, only when no spare finishes within REDRAW_ROUNDS more calls)."""
     passages = [c for c in convs if len(c.response.strip()) >= settings.min_chars]
     if n <= 0:
         return []
     if not passages:
         raise ValueError(f"data.grounded: no response of the {len(convs)} regenerated is at least "
                          f"{settings.min_chars} characters long to serve as a passage")
-    drawn = _draw(passages, n, settings, seed)
-    if any(task == "back_translate" for task, _ in drawn):
-        drawn = _back_translated(drawn, settings, answer)
-    return [_task_prompt(task, texts, text) for task, (texts, text) in drawn]
+    drawn, order = _draw(passages, n, settings, seed)
+    if any(task == "back_translate" for task, _, _ in drawn):
+        drawn = _back_translated(drawn, passages, order, settings, answer)
+    return [_task_prompt(task, texts, text) for task, (texts, text), _ in drawn]
 
 
-def _draw(passages: list[Conversation], n: int, settings: GroundedSettings, seed: int) -> list[tuple]:
-    """n (task, (passage texts, task text)) drawn with random.Random(seed): the draws of every kind
-    but back_translate as they always were; back_translate's text is its first pass (into German)."""
+def _draw(passages: list[Conversation], n: int, settings: GroundedSettings, seed: int) -> tuple[list[tuple], list[int]]:
+    """(n (task, (passage texts, task text), indices of its passages) drawn with random.Random(seed),
+    the shuffled passage order they were drawn in): the draws of every kind but back_translate as they
+    always were; back_translate's text is its first pass (into German)."""
     rng = random.Random(seed)
     order = list(range(len(passages)))
     rng.shuffle(order)
     out = []
     k = settings.passages
     for j in range(n):
-        picks = [passages[order[(j * k + t) % len(order)]] for t in range(k)]
+        at = [order[(j * k + t) % len(order)] for t in range(k)]
+        picks = [passages[i] for i in at]
         task = settings.tasks[rng.randrange(len(settings.tasks))]
         asked = picks[rng.randrange(k)] if k > 1 else picks[0]  # the question one passage answered
         question = asked.prompt.messages[-1]["content"]  # a Prompt ends with the user turn it asks
@@ -72,31 +84,89 @@ def _draw(passages: list[Conversation], n: int, settings: GroundedSettings, seed
             template, language = "translate", BACK_FROM
         text = GROUNDED_TASKS[template].format(passage="\n\n".join(texts), question=question.strip(),
                                                language=language)
-        out.append((task, (texts, text)))
-    return out
+        out.append((task, (texts, text), tuple(at)))
+    return out, order
 
 
-def _back_translated(drawn: list[tuple], settings: GroundedSettings, answer: Answer | None) -> list[tuple]:
-    """drawn with each back_translate's first pass answered by the target (one `answer` call) and
-    replaced by its second pass: the German response, stripped, as the passage of GROUNDED_TASKS'
-    back_translate prompt; one with less than settings.min_chars of German is dropped."""
+def _back_translated(drawn: list[tuple], passages: list[Conversation], order: list[int],
+                     settings: GroundedSettings, answer: Answer | None) -> list[tuple]:
+    """drawn with each back_translate's first pass answered by the target and replaced by its second
+    pass: the German response, stripped, as the passage of GROUNDED_TASKS' back_translate prompt.
+
+    One with less than settings.min_chars of German is dropped. One whose German was cut at
+    max_new_tokens, or whose source answer was, takes (in task order) the German of the next spare
+    group of answers in `order` (after the n draws, cycling once; complete answers, none a source of a
+    drawn back_translate) whose first pass finished with at least min_chars. The first call asks the
+    drawn first passes (those over complete answers) and one spare per task drawn over a cut answer;
+    each further call (at most REDRAW_ROUNDS) asks enough spares for the tasks still waiting at the
+    failure rate seen so far. Tasks still waiting after that, or when the spares run out, are dropped.
+    """
     if answer is None:
         raise ValueError("data.grounded.tasks: back_translate needs the target to answer its first pass "
                          "(grounded_prompts(..., answer=...))")
-    firsts = [i for i, (task, _) in enumerate(drawn) if task == "back_translate"]
-    german = answer([_task_prompt("back_translate-first", *drawn[i][1]) for i in firsts])
-    if len(german) != len(firsts):
-        raise RuntimeError(f"back_translate: {len(firsts)} first passes asked, {len(german)} answered")
-    out, short = list(drawn), set()
-    for i, conv in zip(firsts, german):
-        text = conv.response.strip()
-        if len(text) < settings.min_chars:
-            short.add(i)
-        out[i] = ("back_translate", ((text,), GROUNDED_TASKS["back_translate"].format(passage=text)))
+    k = settings.passages
+    firsts = [i for i, (task, _, _) in enumerate(drawn) if task == "back_translate"]
+    sources = {p for i in firsts for p in drawn[i][2]}
+    complete = [p for s in range(len(order)) if (p := order[(len(drawn) * k + s) % len(order)]) not in sources
+                and not passages[p].truncated]
+    spares = [tuple(complete[j: j + k]) for j in range(0, len(complete) - k + 1, k)]
+    waiting = [i for i in firsts if any(passages[p].truncated for p in drawn[i][2])]  # cut sources: never asked
+    direct = [i for i in firsts if i not in waiting]
+    out, short, cut, asked, failed, used = list(drawn), set(), len(waiting), 0, 0, 0
+    for _ in range(1 + REDRAW_ROUNDS):
+        rate = min(failed / asked, 0.9) if asked else 0.0
+        take = spares[used: used + math.ceil(len(waiting) / (1 - rate))] if waiting else []
+        used += len(take)
+        if not direct and not take:
+            break
+        asks = [_task_prompt("back_translate-first", *drawn[i][1]) for i in direct] + [
+            _first_pass(passages, group) for group in take]
+        german = answer(asks)
+        if len(german) != len(asks):
+            raise RuntimeError(f"back_translate: {len(asks)} first passes asked, {len(german)} answered")
+        usable = [not c.truncated and len(c.response.strip()) >= settings.min_chars for c in german]
+        for i, conv, ok in zip(direct, german, usable):
+            if conv.truncated:
+                waiting.append(i)
+                cut += 1
+            elif not ok:
+                short.add(i)
+            else:
+                out[i] = _second_pass(drawn[i][2], conv)
+        waiting.sort()
+        for group, conv, ok in zip(take, german[len(direct):], usable[len(direct):]):
+            if ok and waiting:
+                out[waiting.pop(0)] = _second_pass(group, conv)
+        asked, failed = asked + len(usable), failed + usable.count(False)
+        direct = []
+        if not waiting:
+            break
     if short:
         log.warning("data.grounded: %d of %d back_translate first passes gave under %d characters of %s; "
                     "those tasks are dropped", len(short), len(firsts), settings.min_chars, BACK_FROM)
-    return [d for i, d in enumerate(out) if i not in short]
+    if cut:
+        log.info("data.grounded: %d of %d back_translate tasks had their %s or their source answer cut at "
+                 "max_new_tokens; %d took a spare answer's %s (%d spares asked)", cut, len(firsts), BACK_FROM,
+                 cut - len(waiting), BACK_FROM, used)
+    if waiting:
+        log.warning("data.grounded: %d back_translate tasks found no spare answer whose %s finished within "
+                    "max_new_tokens (%d spares asked, %d more rounds); those tasks are dropped",
+                    len(waiting), BACK_FROM, used, REDRAW_ROUNDS)
+    gone = short | set(waiting)
+    return [d for i, d in enumerate(out) if i not in gone]
+
+
+def _first_pass(passages: list[Conversation], group: tuple[int, ...]) -> Prompt:
+    """back_translate's first pass over passages[group]: the translate task into German, as _draw writes it."""
+    texts = tuple(passages[p].response.strip() for p in group)
+    return _task_prompt("back_translate-first", texts,
+                        GROUNDED_TASKS["translate"].format(passage="\n\n".join(texts), language=BACK_FROM))
+
+
+def _second_pass(group: tuple[int, ...], conv: Conversation) -> tuple:
+    """The back_translate draw over the first pass `conv` (German of passages[group])."""
+    text = conv.response.strip()
+    return ("back_translate", ((text,), GROUNDED_TASKS["back_translate"].format(passage=text)), group)
 
 
 def _task_prompt(task: str, texts: tuple[str, ...], text: str) -> Prompt:
