@@ -621,3 +621,55 @@ def test_bf16_engine_comparison_fails_only_on_a_difference_outside_the_tie_gap(b
     failed = run("bfloat16", head)["failures"]
     assert len(failed) == 1 and "prompt 2 token 1" in failed[0]
     assert any("did not reproduce" in f for f in run("float32", near_only)["failures"])
+
+
+# ---- several heads in one benchmark run: each checked against the one vLLM plain run --------------------
+
+def test_benchmark_checks_every_head_against_the_one_vllm_plain_run(monkeypatch, tmp_path):
+    """benchmarks/engine_vllm.py serves vLLM plain once per dtype (with the first head); every head's
+    T = 0 check "vLLM with the head = vLLM plain" must still run, each in its own result fields. Two
+    heads served alike but for the second's greedy tokens parting from plain at prompt 1, token 1: the
+    first passes, the second fails naming it (the engine and our loop are faked; the benchmark's
+    serve_heads and vllm_eval.engine_eval run as shipped)."""
+    from types import SimpleNamespace
+
+    from benchmarks.engine_vllm import serve_heads
+    from draftkit.engines import vllm_eval
+    from tests.conftest import make_tiny_target
+
+    prompts, plain = [[5, 6, 7], [8, 9, 10]], [[11, 12, 13], [14, 15, 16]]
+    outputs = {"plain": plain, "ngram": plain, "a": plain, "b": [[11, 12, 13], [14, 99, 16]]}
+    served = []
+
+    def serve(req, **kw):
+        spec = req.speculative_config
+        what = "plain" if spec is None else spec["method"] if spec["method"] == "ngram" else Path(spec["model"]).name
+        served.append(what)
+        counters = {"num_drafts": 0, "accepted_per_pos": []} if what == "plain" else {
+            "num_drafts": 4, "accepted_per_pos": [2, 1, 0]}
+        return {"vllm_version": "fake", "load_seconds": 0.0, "runs": [
+            {"name": r.name, "counters": counters, "tokens_per_s": 1.0, "wall_s": 1.0, "new_tokens": 6,
+             "outputs": outputs[what]} for r in req.runs]}
+
+    def run_loop(target, head, prompts, s, k, stop_ids):  # our loop reproduces what vLLM with the head gave
+        stats = SimpleNamespace(row_steps=4, accepted_at=[2, 1, 0], k=3, tokens_per_s=1.0)
+        return {"T=0 B=1": {"outputs": outputs[head], "stats": stats, "engine_rule": True}}
+
+    monkeypatch.setattr(vllm_eval, "prepare_export", lambda d, t, w: (Path(d), {"family": "eagle", "head": {}}, []))
+    monkeypatch.setattr(vllm_eval, "cpu_serving_refusal", lambda t, e: None)
+    monkeypatch.setattr(vllm_eval, "verifier_dir", lambda c, m=None: str(tmp_path))
+    monkeypatch.setattr(vllm_eval, "serve", serve)
+    monkeypatch.setattr(vllm_eval, "served_head", lambda export, t, w: export.name)
+    monkeypatch.setattr(vllm_eval, "run_loop", run_loop)
+    base = EngineEvalSettings(k=3, temperatures=(0.0,), batch_sizes=(1,), work_dir=str(tmp_path / "w"))
+    runs = list(serve_heads(make_tiny_target(), [str(tmp_path / "a"), str(tmp_path / "b")], prompts, base))
+
+    assert served == ["plain", "ngram", "a", "b"]  # plain served once
+    (_, a, kept_a), (_, b, kept_b) = runs
+    assert "plain" in kept_a["engine"] and "plain" not in kept_b["engine"]
+    ca, cb = a["comparison"]["T=0 B=1"]["outputs"], b["comparison"]["T=0 B=1"]["outputs"]
+    assert a["ok"] and ca["engine_head_equals_engine_plain"] is True and a["engine_plain_source"] == "this run"
+    assert cb["engine_head_equals_engine_plain"] is False and cb["engine_head_vs_plain_first_differences"] == {1: 1}
+    assert cb["loop_equals_engine_head"] is True  # only the plain check can catch it
+    assert not b["ok"] and b["engine_plain_source"] == "an earlier run (plain=)"
+    assert b["failures"] == ["T=0 B=1: T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens"]

@@ -159,8 +159,14 @@ def run_loop(target, head, prompts: list[list[int]], s: EngineEvalSettings, k: i
     return out
 
 
-def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: EngineEvalSettings) -> dict:
-    """Serve plain / ngram / the head in vLLM and compare with our loop (see the module doc)."""
+def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: EngineEvalSettings,
+                plain: dict[str, list[list[int]]] | None = None) -> dict:
+    """Serve plain / ngram / the head in vLLM and compare with our loop (see the module doc).
+
+    plain: vLLM plain's outputs per run name ("T=0 B=4") from an earlier engine_eval on the same
+    prompts and settings (plain_outputs), for a run that does not serve "plain" itself, so that its
+    T = 0 check "vLLM with the head = vLLM plain" still runs (benchmarks/engine_vllm.py: several heads,
+    plain served once). A run that serves plain checks against its own."""
     from draftkit.inference.decoder import stop_token_ids
 
     work = Path(s.work_dir or tempfile.mkdtemp(prefix="draftkit-engine-eval-"))
@@ -192,8 +198,11 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
         report["engine"][m]["load_seconds"] = res["load_seconds"]
         if res.get("drafter"):
             report["drafter"] = res["drafter"]
+    report["engine_plain_source"] = ("this run" if "plain" in engine else "an earlier run (plain=)" if plain
+                                     else None)
     if s.loop and "head" in s.methods:
-        _compare_loop(report, served_head(export, target, work), target, prompts, s, k, stop_ids, engine)
+        _compare_loop(report, served_head(export, target, work), target, prompts, s, k, stop_ids, engine,
+                      plain=plain)
     report["ok"] = not report["failures"]
     return report
 
@@ -222,11 +231,44 @@ def _engine_run(r: dict, k: int) -> dict:
             "counters": r["counters"], **f, "outputs": r["outputs"]}
 
 
-def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine) -> None:
+def plain_outputs(report: dict) -> dict[str, list[list[int]]]:
+    """{run name: vLLM plain's outputs} of an engine_eval report that served plain ({} if none, or
+    once the outputs were taken out); what engine_eval's `plain` takes for the next head."""
+    return {n: r["outputs"] for n, r in report.get("engine", {}).get("plain", {}).items()
+            if isinstance(r, dict) and "outputs" in r}
+
+
+def greedy_outputs_check(dtype: str, prompts, engine_head, engine_plain, loop, scorer=None) -> dict:
+    """The T = 0 output checks of one run, the one place they are made: vLLM with the head against
+    vLLM plain (engine_plain None: no plain to compare with, reported as None) and our loop against
+    vLLM with the head. fp32: any difference from plain is a failure; 16-bit: every first difference
+    scored by the teacher-forced criterion (classify_divergences with scorer(), a TeacherForced,
+    called only then). {"outputs": ..., "near_ties": ... (16-bit), "failures": [...]}"""
+    c = {"outputs": {"engine_head_equals_engine_plain": None if engine_plain is None else engine_head == engine_plain,
+                     "loop_equals_engine_head": loop == engine_head,
+                     "engine_head_vs_plain_first_differences": None if engine_plain is None
+                     else first_differences(engine_head, engine_plain),
+                     "loop_vs_engine_head_first_differences": first_differences(loop, engine_head)},
+         "failures": []}
+    if dtype == "float32":
+        if engine_plain is not None and engine_head != engine_plain:
+            c["failures"].append("T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens")
+    else:
+        c["near_ties"] = classify_divergences(prompts, scorer(), engine_plain, engine_head, loop)
+        c["failures"] += [f"T=0 ({dtype}): {f}" for f in c["near_ties"]["failures"]]
+    return c
+
+
+def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine, plain=None) -> None:
+    """Our loop under the engine rule beside vLLM with the head, per run; at T = 0 the output checks
+    (greedy_outputs_check) against vLLM plain: this report's own, else plain ({run name: outputs})."""
+    from functools import lru_cache
+
     from draftkit.inference.stats import TeacherForced
 
     loop = run_loop(target, head, prompts, s, k, stop_ids)
-    scorer = None
+    plain = plain_outputs(report) or plain or {}
+    scorer = lru_cache(maxsize=None)(lambda: TeacherForced(target))  # made once, on the first 16-bit check
     for name, res in loop.items():
         report["loop"][name] = {**loop_figures(res["stats"]), "tokens_per_s": res["stats"].tokens_per_s,
                                 "engine_rule": res["engine_rule"], "outputs": res["outputs"]}
@@ -242,19 +284,9 @@ def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine) -> None
             continue
         c = compare(ours, eng, greedy_fp32=greedy and s.dtype == "float32")
         if greedy:
-            plain = report["engine"].get("plain", {}).get(name, {}).get("outputs")
-            c["outputs"] = {"engine_head_equals_engine_plain": None if plain is None else eng["outputs"] == plain,
-                            "loop_equals_engine_head": res["outputs"] == eng["outputs"],
-                            "engine_head_vs_plain_first_differences": None if plain is None
-                            else first_differences(eng["outputs"], plain),
-                            "loop_vs_engine_head_first_differences": first_differences(res["outputs"], eng["outputs"])}
-            if s.dtype == "float32":
-                if plain is not None and eng["outputs"] != plain:
-                    c["failures"].append("T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens")
-            else:
-                scorer = scorer or TeacherForced(target)
-                c["near_ties"] = classify_divergences(prompts, scorer, plain, eng["outputs"], res["outputs"])
-                c["failures"] += [f"T=0 ({s.dtype}): {f}" for f in c["near_ties"]["failures"]]
+            g = greedy_outputs_check(s.dtype, prompts, eng["outputs"], plain.get(name), res["outputs"], scorer)
+            c["failures"] += g.pop("failures")
+            c.update(g)
         report["comparison"][name] = c
         report["failures"] += [f"{name}: {f}" for f in c["failures"]]
 
