@@ -19,12 +19,12 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from draftkit.engines.vllm import (EngineRequest, EngineRun, Sampling, compare, engine_figures, loop_figures, serve,
-                                   speculative_config)
+from draftkit.engines.vllm import (EngineRequest, EngineRun, EngineUnavailable, Sampling, compare, engine_figures,
+                                   find_suffix_python, loop_figures, serve, speculative_config)
 from draftkit.engines.vllm_auto import DEFAULT_KS
 
 log = logging.getLogger(__name__)
-METHODS = ("plain", "ngram", "head")
+METHODS = ("plain", "ngram", "suffix", "head")  # suffix: served where arctic-inference imports, else a note
 
 
 @dataclass
@@ -181,13 +181,20 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
     runs = _runs(s, stop_ids)
     engine = {}
     for method in s.methods:
+        python = s.python
+        if method == "suffix":
+            try:
+                python = find_suffix_python(s.python)
+            except EngineUnavailable as e:
+                notes.append(f"vLLM suffix not served: {e}")
+                continue
         spec = speculative_config(family if method == "head" else method, k, export, ngram=s.ngram)
         inspect_it = s.inspect_drafter and method == "head"
         req = EngineRequest(model_dir, prompts, runs, spec, dtype=s.dtype, seed=s.seed, inspect_drafter=inspect_it,
                             drafter_files=[str(f) for f in sorted(export.glob("*.safetensors"))] if inspect_it else [],
                             cpu_sampler_fix=s.cpu_sampler_fix and any(t > 0 for t in s.temperatures))
         log.info("vLLM: serving %s", spec or "plain")
-        engine[method] = serve(req, python=s.python, timeout=s.timeout_s)
+        engine[method] = serve(req, python=python, timeout=s.timeout_s)
     report = {"family": family, "k": k, "export": str(export), "model_dir": model_dir, "notes": notes,
               "settings": asdict(s), "vllm_version": next(iter(engine.values()))["vllm_version"] if engine else None,
               "engine": {}, "loop": {}, "comparison": {}, "failures": []}
@@ -385,6 +392,9 @@ def add_arguments(p) -> None:
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="the Python with vLLM (default: $DRAFTKIT_VLLM_PYTHON, this one, or "
                         "$DRAFTKIT_CACHE/vllm-venv from scripts/setup_vllm.sh)")
+    p.add_argument("--no-suffix", action="store_true",
+                   help="--engine vllm: leave out vLLM's suffix method (served beside ngram where the arctic-inference "
+                        "package imports: scripts/setup_vllm_suffix.sh; otherwise the report notes why not)")
     p.add_argument("--engine-k", type=int, nargs="+", default=list(DEFAULT_KS), metavar="K",
                    help="--engine vllm --draft auto|calibrate: the chain lengths (num_speculative_tokens) measured "
                         "in vLLM (Medusa: only its number of heads)")
@@ -487,7 +497,8 @@ def run_cli(args) -> int:
         _say_choice(engine_draft, k, source)
         if "sglang" in draft_sources and draft_sources["sglang"] != source:
             print(f"engine draft: SGLang's record from {draft_sources['sglang']}", file=sys.stderr)
-        methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram), ("head", False)) if not off)
+        methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram),
+                                         ("suffix", args.no_ngram or getattr(args, "no_suffix", False)), ("head", False)) if not off)
         s = EngineEvalSettings(k=k, temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens,
                                batch_sizes=(args.batch_size,), top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                dtype=str(target.dtype).replace("torch.", ""),  # --dtype auto resolved by the target
