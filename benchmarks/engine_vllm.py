@@ -1,12 +1,13 @@
-"""Heads served by vLLM (CPU) beside vLLM plain, vLLM's ngram and draftkit's loop under vLLM's rule.
+"""Heads served by vLLM (CPU) beside vLLM plain, vLLM's ngram / suffix and draftkit's loop under vLLM's rule.
 
     python benchmarks/engine_vllm.py --heads runs/quick/head [--limit 12] [--max-new-tokens 64]
         [--dtypes float32 bfloat16] [--temperatures 0 1] [--batch-sizes 1 4 16] [--k 3]
 
 Embedded target (SmolLM2-135M), Spec-Bench dev prompts (benchmarks/results/specbench_dev60.jsonl),
-every method in one run per dtype: plain and ngram once, then each head (a native head, exported
-here, or a vLLM export). Prints a table and writes JSON to benchmarks/results/engine_vllm.json
-(--out). vLLM comes from scripts/setup_vllm.sh (draftkit/engines/vllm.py: find_python).
+every method in one run per dtype: plain, ngram and suffix (where arctic-inference is installed:
+scripts/setup_vllm_suffix.sh; otherwise a note says why not) once, then each head (a native head,
+exported here, or a vLLM export), each head's T = 0 greedy tokens checked against that one plain run.
+Prints a table and writes JSON to benchmarks/results/engine_vllm.json (--out). vLLM comes from scripts/setup_vllm.sh (draftkit/engines/vllm.py: find_python).
 Exit 1 when our loop and the engine disagree beyond the tolerance (engines/vllm.py: compare).
 """
 from __future__ import annotations
@@ -30,9 +31,29 @@ def cpu_flags() -> str:
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
+def serve_heads(target, heads: list[str], ids: list[list[int]], base):
+    """Each head through engine_eval, one dtype's settings `base`: vLLM plain and the model-free methods
+    (base.methods: ngram, and suffix where arctic-inference imports) served with the first head only, and plain's outputs handed to every later head (engine_eval's `plain`), so every
+    head gets its own T = 0 check "vLLM with the head = vLLM plain" (vllm_eval.greedy_outputs_check)
+    and its own result fields. Yields (head, report without outputs, the outputs taken out of it)."""
+    from draftkit.engines.vllm_eval import engine_eval, plain_outputs
+
+    plain = None
+    for n, head in enumerate(heads):
+        s = replace(base, methods=base.methods if n == 0 else ("head",))
+        report = engine_eval(target, head, ids, s, plain=plain)
+        plain = plain or plain_outputs(report)
+        kept = {"dtype": base.dtype, "head": head, "prompts": ids, "engine": {}, "loop": {}}
+        for m, runs in report["engine"].items():
+            kept["engine"][m] = {name: r.pop("outputs") for name, r in runs.items() if isinstance(r, dict) and "outputs" in r}
+        kept["loop"] = {name: r.pop("outputs") for name, r in report["loop"].items() if "outputs" in r}
+        report.update(dtype=base.dtype, head=head, prompts=len(ids))
+        yield head, report, kept
+
+
 def main() -> int:
     from draftkit.engines.vllm import find_python
-    from draftkit.engines.vllm_eval import EngineEvalSettings, engine_eval, format_report
+    from draftkit.engines.vllm_eval import EngineEvalSettings, format_report
     from draftkit.inference.evaluate import encode, read_prompt_file
     from draftkit.target import load_target
 
@@ -67,15 +88,8 @@ def main() -> int:
                                   batch_sizes=tuple(args.batch_sizes), dtype=dtype, python=python,
                                   loop_batch_sizes=tuple(args.loop_batch_sizes) if args.loop_batch_sizes else None,
                                   cpu_sampler_fix=not args.cpu_sampler_as_shipped)
-        for n, head in enumerate(args.heads):  # plain and ngram with the first head's run only
-            s = replace(base, methods=("plain", "ngram", "head") if n == 0 else ("head",))
-            report = engine_eval(target, head, ids, s)
-            kept = {"dtype": dtype, "head": head, "prompts": ids, "engine": {}, "loop": {}}
-            for m, runs in report["engine"].items():
-                kept["engine"][m] = {n: r.pop("outputs") for n, r in runs.items() if isinstance(r, dict) and "outputs" in r}
-            kept["loop"] = {n: r.pop("outputs") for n, r in report["loop"].items() if "outputs" in r}
+        for head, report, kept in serve_heads(target, args.heads, ids, base):
             outputs.append(kept)
-            report.update(dtype=dtype, head=head, prompts=len(ids))
             print(f"\n== {head} ({dtype}, {len(ids)} prompts, {args.max_new_tokens} new tokens, CPU {cpu_flags()})")
             print(format_report(report))
             result["runs"].append(report)

@@ -181,6 +181,23 @@ def vllm_python() -> str:
         pytest.skip(str(e))
 
 
+def vllm_suffix_python() -> str:
+    """The Python that serves vLLM's suffix method (arctic-inference: scripts/setup_vllm_suffix.sh), for
+    its test: DRAFTKIT_CHECK_VLLM_SUFFIX=1 makes a missing one a failure, =0 leaves it out, unset (CI:
+    the package is optional) skips with the reason."""
+    from draftkit.engines import vllm as ev
+
+    want = os.environ.get("DRAFTKIT_CHECK_VLLM_SUFFIX")
+    if want == "0":
+        pytest.skip("DRAFTKIT_CHECK_VLLM_SUFFIX=0: vLLM suffix test left out")
+    try:
+        return ev.find_suffix_python(ev.find_python())
+    except ev.EngineUnavailable as e:
+        if want == "1":
+            pytest.fail(f"DRAFTKIT_CHECK_VLLM_SUFFIX=1 but {e}")
+        pytest.skip(str(e))
+
+
 @pytest.fixture(scope="module")
 def engine_python() -> str:
     """vllm_python() for the tests that serve with the real engine (skip or fail as it says)."""

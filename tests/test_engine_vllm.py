@@ -621,3 +621,120 @@ def test_bf16_engine_comparison_fails_only_on_a_difference_outside_the_tie_gap(b
     failed = run("bfloat16", head)["failures"]
     assert len(failed) == 1 and "prompt 2 token 1" in failed[0]
     assert any("did not reproduce" in f for f in run("float32", near_only)["failures"])
+
+
+# ---- several heads in one benchmark run: each checked against the one vLLM plain run --------------------
+
+def fake_engine(monkeypatch, tmp_path, outputs: dict, suffix_python=None) -> list:
+    """engine_eval with vLLM and our loop faked: serve answers each method (a head by its directory's
+    name) with outputs[method] and fixed counters, our loop reproduces what vLLM with the head gave,
+    vLLM's suffix is served by suffix_python (None: arctic-inference missing). Returns the list of
+    what was served, in order."""
+    from types import SimpleNamespace
+
+    from draftkit.engines import vllm_eval
+
+    served = []
+
+    def serve(req, python=None, **kw):
+        spec = req.speculative_config
+        what = ("plain" if spec is None else spec["method"] if spec["method"] in ("ngram", "suffix")
+                else Path(spec["model"]).name)
+        served.append(what if what != "suffix" else (what, python))
+        counters = {"num_drafts": 0, "accepted_per_pos": []} if what == "plain" else {
+            "num_drafts": 4, "accepted_per_pos": [2, 1, 0]}
+        return {"vllm_version": "fake", "load_seconds": 0.0, "runs": [
+            {"name": r.name, "counters": counters, "tokens_per_s": 1.0, "wall_s": 1.0, "new_tokens": 6,
+             "outputs": outputs[what]} for r in req.runs]}
+
+    def run_loop(target, head, prompts, s, k, stop_ids):
+        stats = SimpleNamespace(row_steps=4, accepted_at=[2, 1, 0], k=3, tokens_per_s=1.0)
+        return {"T=0 B=1": {"outputs": outputs[head], "stats": stats, "engine_rule": True}}
+
+    def find_suffix_python(python=None):
+        if suffix_python is None:
+            raise ev.EngineUnavailable("vLLM's suffix method needs the arctic-inference package (faked missing)")
+        return suffix_python
+
+    monkeypatch.setattr(vllm_eval, "prepare_export", lambda d, t, w: (Path(d), {"family": "eagle", "head": {}}, []))
+    monkeypatch.setattr(vllm_eval, "cpu_serving_refusal", lambda t, e: None)
+    monkeypatch.setattr(vllm_eval, "verifier_dir", lambda c, m=None: str(tmp_path))
+    monkeypatch.setattr(vllm_eval, "serve", serve)
+    monkeypatch.setattr(vllm_eval, "served_head", lambda export, t, w: export.name)
+    monkeypatch.setattr(vllm_eval, "run_loop", run_loop)
+    monkeypatch.setattr(vllm_eval, "find_suffix_python", find_suffix_python)
+    return served
+
+
+def test_benchmark_checks_every_head_against_the_one_vllm_plain_run(monkeypatch, tmp_path):
+    """benchmarks/engine_vllm.py serves vLLM plain once per dtype (with the first head); every head's
+    T = 0 check "vLLM with the head = vLLM plain" must still run, each in its own result fields. Two
+    heads served alike but for the second's greedy tokens parting from plain at prompt 1, token 1: the
+    first passes, the second fails naming it (the engine and our loop are faked; the benchmark's
+    serve_heads and vllm_eval.engine_eval run as shipped)."""
+    from benchmarks.engine_vllm import serve_heads
+    from tests.conftest import make_tiny_target
+
+    prompts, plain = [[5, 6, 7], [8, 9, 10]], [[11, 12, 13], [14, 15, 16]]
+    outputs = {"plain": plain, "ngram": plain, "suffix": plain, "a": plain, "b": [[11, 12, 13], [14, 99, 16]]}
+    served = fake_engine(monkeypatch, tmp_path, outputs, suffix_python="suffix-python")
+    base = EngineEvalSettings(k=3, temperatures=(0.0,), batch_sizes=(1,), work_dir=str(tmp_path / "w"))
+    runs = list(serve_heads(make_tiny_target(), [str(tmp_path / "a"), str(tmp_path / "b")], prompts, base))
+
+    assert served == ["plain", "ngram", ("suffix", "suffix-python"), "a", "b"]  # plain and the baselines once
+    (_, a, kept_a), (_, b, kept_b) = runs
+    assert "plain" in kept_a["engine"] and "plain" not in kept_b["engine"]
+    ca, cb = a["comparison"]["T=0 B=1"]["outputs"], b["comparison"]["T=0 B=1"]["outputs"]
+    assert a["ok"] and ca["engine_head_equals_engine_plain"] is True and a["engine_plain_source"] == "this run"
+    assert cb["engine_head_equals_engine_plain"] is False and cb["engine_head_vs_plain_first_differences"] == {1: 1}
+    assert cb["loop_equals_engine_head"] is True  # only the plain check can catch it
+    assert not b["ok"] and b["engine_plain_source"] == "an earlier run (plain=)"
+    assert b["failures"] == ["T=0 B=1: T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens"]
+
+
+# ---- vLLM's suffix method (arctic-inference, optional) -------------------------------------------------
+
+def test_missing_arctic_inference_is_one_line_naming_the_import_error_and_the_setup(monkeypatch, tmp_path):
+    """No vLLM Python here imports arctic_inference (this one has none, and no suffix venv under the
+    cache): find_suffix_python says so in one line, with each Python's own import error and the setup."""
+    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path))
+    with pytest.raises(ev.EngineUnavailable) as e:
+        ev.find_suffix_python(sys.executable)
+    msg = str(e.value)
+    assert "\n" not in msg and "arctic-inference" in msg and "scripts/setup_vllm_suffix.sh" in msg
+    assert f"{sys.executable}: ModuleNotFoundError: No module named 'arctic_inference'" in msg
+    assert f"{tmp_path / 'vllm-suffix-venv' / 'bin' / 'python'}: FileNotFoundError" in msg
+
+
+def test_engine_eval_without_arctic_inference_notes_suffix_and_serves_the_rest(monkeypatch, tmp_path):
+    """engine_eval's default methods include suffix; where it cannot be served the report says why in a
+    note, nothing else changes, and the suffix figures are simply absent (no traceback, no failure)."""
+    from draftkit.engines.vllm_eval import format_report
+    from tests.conftest import make_tiny_target
+
+    out = [[11, 12, 13]]
+    served = fake_engine(monkeypatch, tmp_path, {"plain": out, "ngram": out, "h": out})
+    s = EngineEvalSettings(k=3, temperatures=(0.0,), batch_sizes=(1,), work_dir=str(tmp_path / "w"))
+    report = engine_eval(make_tiny_target(), tmp_path / "h", [[5, 6, 7]], s)
+    assert served == ["plain", "ngram", "h"] and report["ok"] and "suffix" not in report["engine"]
+    assert [n for n in report["notes"] if "suffix" in n] == [
+        "vLLM suffix not served: vLLM's suffix method needs the arctic-inference package (faked missing)"]
+    assert "note: vLLM suffix not served" in format_report(report)
+
+
+@pytest.mark.integration
+def test_vllm_suffix_method_serves_losslessly_and_drafts(world, plain):
+    """Where arctic-inference is installed (scripts/setup_vllm_suffix.sh; DRAFTKIT_CHECK_VLLM_SUFFIX):
+    vLLM's suffix method serves the tiny target with the same greedy tokens as vLLM plain and drafts
+    (its suffix trees over the prompts and outputs propose tokens; on this random tiny target vLLM
+    counted 61 single-token drafts, none accepted), with counters within a chain of K."""
+    from tests.conftest import vllm_suffix_python
+
+    python = vllm_suffix_python()
+    req = ev.EngineRequest(str(world["root"] / "target"), world["prompts"], [t0_run()], ev.speculative_config("suffix", K))
+    res = ev.serve(req, python=python)
+    run = res["runs"][0]
+    assert run["outputs"] == plain["outputs"] == world["ref"]
+    f = ev.engine_figures(run["counters"], K)
+    assert f["drafts"] > 0 and run["counters"]["num_draft_tokens"] >= f["drafts"], run["counters"]
+    assert len(run["counters"]["accepted_per_pos"]) <= K and f["tau"] <= K + 1

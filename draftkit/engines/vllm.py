@@ -57,6 +57,12 @@ def default_venv() -> Path:
     return cache_dir() / "vllm-venv"
 
 
+def suffix_venv() -> Path:
+    """scripts/setup_vllm_suffix.sh's environment, the vLLM venv's packages plus arctic-inference:
+    $DRAFTKIT_VLLM_SUFFIX_VENV, else $DRAFTKIT_CACHE/vllm-suffix-venv."""
+    return Path(os.environ.get("DRAFTKIT_VLLM_SUFFIX_VENV") or cache_dir() / "vllm-suffix-venv")
+
+
 def _imports_vllm(python: str) -> bool:
     try:
         r = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)
@@ -83,6 +89,31 @@ def find_python(python: str | None = None) -> str:
     if venv.exists() and _imports_vllm(str(venv)):
         return str(venv)
     raise EngineUnavailable(f"vLLM not found (not in this environment, no {venv}); {SETUP_HINT}")
+
+
+SUFFIX_IMPORT = "from arctic_inference.suffix_decoding import SuffixDecodingCache"
+SUFFIX_HINT = ("`bash scripts/setup_vllm_suffix.sh` builds arctic-inference 0.3.0 from its source (C++, cmake, g++) "
+               "beside the vLLM environment (optional)")
+
+
+def find_suffix_python(python: str | None = None) -> str:
+    """The Python that serves vLLM's `suffix` method: one that imports vllm and arctic-inference's
+    suffix_decoding (vLLM 0.32 imports it for that method only): `python` (the vLLM Python), else
+    scripts/setup_vllm_suffix.sh's $DRAFTKIT_CACHE/vllm-suffix-venv; else EngineUnavailable, one line
+    with the import's own error."""
+    tried = []
+    for py in dict.fromkeys(p for p in (python, str(suffix_venv() / "bin" / "python")) if p):
+        try:
+            r = subprocess.run([py, "-c", SUFFIX_IMPORT], capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            tried.append(f"{py}: {type(e).__name__}")
+            continue
+        if r.returncode == 0:
+            return py
+        last = (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]
+        tried.append(f"{py}: {last}")
+    raise EngineUnavailable("vLLM's suffix method needs the arctic-inference package, which no vLLM Python here "
+                            f"imports ({'; '.join(tried)}); {SUFFIX_HINT}")
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -137,14 +168,18 @@ class EngineRequest:
 def speculative_config(method: str, k: int, export_dir: str | Path | None = None,
                        ngram: tuple[int, int] = (1, 3), draft_sampling: str = "greedy") -> dict | None:
     """vLLM's speculative_config: "plain" (None), "ngram" (prompt_lookup_min AND _max, since with only
-    the max vLLM sets the min to it and rarely drafts), or a head family served from export_dir."""
+    the max vLLM sets the min to it and rarely drafts), "suffix" (needs arctic-inference:
+    find_suffix_python), or a head family served from export_dir."""
     if method == "plain":
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ngram[0],
                 "prompt_lookup_max": ngram[1]}
+    if method == "suffix":  # suffix trees over the prompt and past outputs; k is the most it drafts per step
+        return {"method": "suffix", "num_speculative_tokens": k}
     if method not in FAMILY_METHOD:
-        raise ValueError(f"vLLM serves the families {', '.join(FAMILY_METHOD)} (and plain, ngram), not {method!r}")
+        raise ValueError(f"vLLM serves the families {', '.join(FAMILY_METHOD)} (and plain, ngram, suffix), "
+                         f"not {method!r}")
     if export_dir is None:
         raise ValueError(f"method {method!r} needs the head's vLLM export directory")
     cfg = {"method": FAMILY_METHOD[method], "model": str(export_dir), "num_speculative_tokens": k}

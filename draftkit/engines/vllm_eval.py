@@ -19,12 +19,12 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from draftkit.engines.vllm import (EngineRequest, EngineRun, Sampling, compare, engine_figures, loop_figures, serve,
-                                   speculative_config)
+from draftkit.engines.vllm import (EngineRequest, EngineRun, EngineUnavailable, Sampling, compare, engine_figures,
+                                   find_suffix_python, loop_figures, serve, speculative_config)
 from draftkit.engines.vllm_auto import DEFAULT_KS
 
 log = logging.getLogger(__name__)
-METHODS = ("plain", "ngram", "head")
+METHODS = ("plain", "ngram", "suffix", "head")  # suffix: served where arctic-inference imports, else a note
 
 
 @dataclass
@@ -159,8 +159,14 @@ def run_loop(target, head, prompts: list[list[int]], s: EngineEvalSettings, k: i
     return out
 
 
-def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: EngineEvalSettings) -> dict:
-    """Serve plain / ngram / the head in vLLM and compare with our loop (see the module doc)."""
+def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: EngineEvalSettings,
+                plain: dict[str, list[list[int]]] | None = None) -> dict:
+    """Serve plain / ngram / the head in vLLM and compare with our loop (see the module doc).
+
+    plain: vLLM plain's outputs per run name ("T=0 B=4") from an earlier engine_eval on the same
+    prompts and settings (plain_outputs), for a run that does not serve "plain" itself, so that its
+    T = 0 check "vLLM with the head = vLLM plain" still runs (benchmarks/engine_vllm.py: several heads,
+    plain served once). A run that serves plain checks against its own."""
     from draftkit.inference.decoder import stop_token_ids
 
     work = Path(s.work_dir or tempfile.mkdtemp(prefix="draftkit-engine-eval-"))
@@ -175,13 +181,20 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
     runs = _runs(s, stop_ids)
     engine = {}
     for method in s.methods:
+        python = s.python
+        if method == "suffix":
+            try:
+                python = find_suffix_python(s.python)
+            except EngineUnavailable as e:
+                notes.append(f"vLLM suffix not served: {e}")
+                continue
         spec = speculative_config(family if method == "head" else method, k, export, ngram=s.ngram)
         inspect_it = s.inspect_drafter and method == "head"
         req = EngineRequest(model_dir, prompts, runs, spec, dtype=s.dtype, seed=s.seed, inspect_drafter=inspect_it,
                             drafter_files=[str(f) for f in sorted(export.glob("*.safetensors"))] if inspect_it else [],
                             cpu_sampler_fix=s.cpu_sampler_fix and any(t > 0 for t in s.temperatures))
         log.info("vLLM: serving %s", spec or "plain")
-        engine[method] = serve(req, python=s.python, timeout=s.timeout_s)
+        engine[method] = serve(req, python=python, timeout=s.timeout_s)
     report = {"family": family, "k": k, "export": str(export), "model_dir": model_dir, "notes": notes,
               "settings": asdict(s), "vllm_version": next(iter(engine.values()))["vllm_version"] if engine else None,
               "engine": {}, "loop": {}, "comparison": {}, "failures": []}
@@ -192,8 +205,11 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
         report["engine"][m]["load_seconds"] = res["load_seconds"]
         if res.get("drafter"):
             report["drafter"] = res["drafter"]
+    report["engine_plain_source"] = ("this run" if "plain" in engine else "an earlier run (plain=)" if plain
+                                     else None)
     if s.loop and "head" in s.methods:
-        _compare_loop(report, served_head(export, target, work), target, prompts, s, k, stop_ids, engine)
+        _compare_loop(report, served_head(export, target, work), target, prompts, s, k, stop_ids, engine,
+                      plain=plain)
     report["ok"] = not report["failures"]
     return report
 
@@ -222,11 +238,44 @@ def _engine_run(r: dict, k: int) -> dict:
             "counters": r["counters"], **f, "outputs": r["outputs"]}
 
 
-def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine) -> None:
+def plain_outputs(report: dict) -> dict[str, list[list[int]]]:
+    """{run name: vLLM plain's outputs} of an engine_eval report that served plain ({} if none, or
+    once the outputs were taken out); what engine_eval's `plain` takes for the next head."""
+    return {n: r["outputs"] for n, r in report.get("engine", {}).get("plain", {}).items()
+            if isinstance(r, dict) and "outputs" in r}
+
+
+def greedy_outputs_check(dtype: str, prompts, engine_head, engine_plain, loop, scorer=None) -> dict:
+    """The T = 0 output checks of one run, the one place they are made: vLLM with the head against
+    vLLM plain (engine_plain None: no plain to compare with, reported as None) and our loop against
+    vLLM with the head. fp32: any difference from plain is a failure; 16-bit: every first difference
+    scored by the teacher-forced criterion (classify_divergences with scorer(), a TeacherForced,
+    called only then). {"outputs": ..., "near_ties": ... (16-bit), "failures": [...]}"""
+    c = {"outputs": {"engine_head_equals_engine_plain": None if engine_plain is None else engine_head == engine_plain,
+                     "loop_equals_engine_head": loop == engine_head,
+                     "engine_head_vs_plain_first_differences": None if engine_plain is None
+                     else first_differences(engine_head, engine_plain),
+                     "loop_vs_engine_head_first_differences": first_differences(loop, engine_head)},
+         "failures": []}
+    if dtype == "float32":
+        if engine_plain is not None and engine_head != engine_plain:
+            c["failures"].append("T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens")
+    else:
+        c["near_ties"] = classify_divergences(prompts, scorer(), engine_plain, engine_head, loop)
+        c["failures"] += [f"T=0 ({dtype}): {f}" for f in c["near_ties"]["failures"]]
+    return c
+
+
+def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine, plain=None) -> None:
+    """Our loop under the engine rule beside vLLM with the head, per run; at T = 0 the output checks
+    (greedy_outputs_check) against vLLM plain: this report's own, else plain ({run name: outputs})."""
+    from functools import lru_cache
+
     from draftkit.inference.stats import TeacherForced
 
     loop = run_loop(target, head, prompts, s, k, stop_ids)
-    scorer = None
+    plain = plain_outputs(report) or plain or {}
+    scorer = lru_cache(maxsize=None)(lambda: TeacherForced(target))  # made once, on the first 16-bit check
     for name, res in loop.items():
         report["loop"][name] = {**loop_figures(res["stats"]), "tokens_per_s": res["stats"].tokens_per_s,
                                 "engine_rule": res["engine_rule"], "outputs": res["outputs"]}
@@ -242,19 +291,9 @@ def _compare_loop(report, head, target, prompts, s, k, stop_ids, engine) -> None
             continue
         c = compare(ours, eng, greedy_fp32=greedy and s.dtype == "float32")
         if greedy:
-            plain = report["engine"].get("plain", {}).get(name, {}).get("outputs")
-            c["outputs"] = {"engine_head_equals_engine_plain": None if plain is None else eng["outputs"] == plain,
-                            "loop_equals_engine_head": res["outputs"] == eng["outputs"],
-                            "engine_head_vs_plain_first_differences": None if plain is None
-                            else first_differences(eng["outputs"], plain),
-                            "loop_vs_engine_head_first_differences": first_differences(res["outputs"], eng["outputs"])}
-            if s.dtype == "float32":
-                if plain is not None and eng["outputs"] != plain:
-                    c["failures"].append("T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens")
-            else:
-                scorer = scorer or TeacherForced(target)
-                c["near_ties"] = classify_divergences(prompts, scorer, plain, eng["outputs"], res["outputs"])
-                c["failures"] += [f"T=0 ({s.dtype}): {f}" for f in c["near_ties"]["failures"]]
+            g = greedy_outputs_check(s.dtype, prompts, eng["outputs"], plain.get(name), res["outputs"], scorer)
+            c["failures"] += g.pop("failures")
+            c.update(g)
         report["comparison"][name] = c
         report["failures"] += [f"{name}: {f}" for f in c["failures"]]
 
@@ -353,6 +392,9 @@ def add_arguments(p) -> None:
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="the Python with vLLM (default: $DRAFTKIT_VLLM_PYTHON, this one, or "
                         "$DRAFTKIT_CACHE/vllm-venv from scripts/setup_vllm.sh)")
+    p.add_argument("--no-suffix", action="store_true",
+                   help="--engine vllm: leave out vLLM's suffix method (served beside ngram where the arctic-inference "
+                        "package imports: scripts/setup_vllm_suffix.sh; otherwise the report notes why not)")
     p.add_argument("--engine-k", type=int, nargs="+", default=list(DEFAULT_KS), metavar="K",
                    help="--engine vllm --draft auto|calibrate: the chain lengths (num_speculative_tokens) measured "
                         "in vLLM (Medusa: only its number of heads)")
@@ -455,7 +497,8 @@ def run_cli(args) -> int:
         _say_choice(engine_draft, k, source)
         if "sglang" in draft_sources and draft_sources["sglang"] != source:
             print(f"engine draft: SGLang's record from {draft_sources['sglang']}", file=sys.stderr)
-        methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram), ("head", False)) if not off)
+        methods = tuple(m for m, off in (("plain", args.no_baseline), ("ngram", args.no_ngram),
+                                         ("suffix", args.no_ngram or getattr(args, "no_suffix", False)), ("head", False)) if not off)
         s = EngineEvalSettings(k=k, temperatures=tuple(args.temperature), max_new_tokens=args.max_new_tokens,
                                batch_sizes=(args.batch_size,), top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                dtype=str(target.dtype).replace("torch.", ""),  # --dtype auto resolved by the target
