@@ -6,11 +6,11 @@ class's own capture of the aux hidden states an EAGLE-3 head reads. The target i
 0.2, norms and biases drawn) but sized for vLLM's CPU attention (head_dim 64, GQA 4/2 heads); the head is
 fitted on its greedy continuations so that it accepts. One vLLM worker serves plain, then the export (fp32,
 T = 0): the head's tokens are vLLM plain's (= transformers'), vLLM's accepted tokens per position EQUAL our
-loop's under the engine rule, and every tensor of the file is used. ~2 min on two busy cores.
+loop's under the engine rule, and every tensor of the file is used. 142 s measured (setup 67 s, serve 75 s).
 
 DRAFTKIT_VLLM_ARCHS_ALL=1 adds EAGLE (1) and Qwen2 (attention biases) and Mistral (a sliding window of
-WINDOW tokens, crossed by every answer) targets: ~2.5 min more per architecture, so not in the suite. Measured
-on this branch: Qwen2 equal for both families; Mistral's outputs equal but vLLM's EAGLE-3 accepts less than
+WINDOW tokens, crossed by every answer) targets: 160-225 s per architecture, so not in the suite. Measured
+on this branch: Qwen3 and Qwen2 equal for both families; Mistral's outputs equal but vLLM's EAGLE-3 accepts less than
 our loop (84 drafts, accepted per position 52/30/22, against our 57 drafts, 50/43/38). Likely cause, read in
 vLLM 0.32 and not yet confirmed by a run: the drafter's layer has no per-layer window, so its attention takes
 the model-level one, the target's (vllm/model_executor/layers/attention/attention.py:266-271,
