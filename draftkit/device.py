@@ -12,22 +12,21 @@ Two stages, because bf16 pays differently where the CPU only emulates it (AVX2, 
            the plain-decoding baseline. Memory-bound, so halving the bytes read can win even with
            emulated arithmetic (one-token decode 45 ms bf16 vs 74 ms fp32 on that CPU). auto = the
            batched choice where bf16 is native (bf16 everywhere) or the device is not a CPU; on a
-           CPU without native bf16 a short measurement decides (measure_decode): DECODE_STEPS
-           one-token steps of the actual target after a DECODE_CONTEXT-token prefill, in float32
-           and bfloat16, interleaved, min over DECODE_REPEATS rounds; bfloat16 only when it is
-           faster by DECODE_MARGIN, else float32.
+           CPU without native bf16 a short measurement decides (measure_decode): plain decoding's
+           step of the actual target, timed as calibration times it (inference/timing.py:
+           DECODE_STEPS steps after a DECODE_CONTEXT-token prefill), in float32 and bfloat16,
+           interleaved, min over DECODE_REPEATS rounds; bfloat16 only when it is faster by
+           DECODE_MARGIN, else float32.
 A forced dtype (float32 / bfloat16 / float16) is every stage's, and nothing is measured. The
 choice is logged in one line (per stage, the measurement, the CPU flags) and eval writes it into
 report.json (`dtype_stages`). The measurement is not cached: it costs about 2 x DECODE_REPEATS x
-(a short prefill + DECODE_STEPS + 1 steps), and a cached one would outlive a busy machine's noise.
+(two short prefills + DECODE_STEPS steps), and a cached one would outlive a busy machine's noise.
 While it runs, a bfloat16 copy of the target's tensors exists beside the float32 ones (1.5x the
 float32 target's memory for those seconds); the float32 tensors themselves are never rounded.
 """
 from __future__ import annotations
 
 import logging
-import math
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -36,8 +35,8 @@ from draftkit.target import AUTO_DTYPE, Target, TargetError, auto_basis, resolve
 
 log = logging.getLogger(__name__)
 
-DECODE_STEPS = 4  # timed one-token steps per round (after one untimed warm-up step)
-DECODE_CONTEXT = 32  # tokens prefilled before them (untimed)
+DECODE_STEPS = 4  # one-token steps per round: plain decoding of 1 + DECODE_STEPS tokens less that of 1
+DECODE_CONTEXT = 32  # tokens prefilled before them (in both runs: the difference leaves it out)
 DECODE_REPEATS = 3  # interleaved rounds per dtype; the minimum is kept (noise only ever adds time)
 DECODE_MARGIN = 0.10  # bfloat16 decodes only when its step is at least 10% shorter than float32's
 MEASURED = ("float32", "bfloat16")
@@ -87,41 +86,24 @@ def stage_dtypes(dtype: str, target: Target) -> StageDtypes:
 
 def measure_decode(target: Target, repeats: int = DECODE_REPEATS) -> dict[str, float]:
     """{dtype: ms per one-token decode step} for float32 (the target as loaded) and bfloat16 (a
-    temporary copy of its tensors, as Target.cast makes them), interleaved round by round, the
-    minimum of `repeats` rounds each. The target's own tensors are put back whatever happens."""
+    temporary copy of its tensors, as Target.cast makes them): plain decoding's step, timed as
+    calibration times it (draftkit/inference/timing.py: DECODE_STEPS steps after a DECODE_CONTEXT-
+    token prefill, batch 1), the dtypes interleaved round by round and the minimum of `repeats`
+    rounds kept. The target's own tensors are put back whatever happens."""
+    from draftkit.inference.timing import min_times, plain_runs, plain_step_ms
+
     own = target.dtype_tensors()
     copies = {"float32": own, "bfloat16": [t.to(torch.bfloat16) for t in own]}
-    best = {name: math.inf for name in MEASURED}
+    context = ((torch.arange(DECODE_CONTEXT) * 7 + 3) % target.vocab_size).tolist()  # any tokens
+    items = {}
+    for name in MEASURED:
+        use = (lambda name=name: target.set_tensors(copies[name]))  # the dtype switch: in both runs, so it cancels
+        items[name, "first"], items[name, "run"] = plain_runs(target, context, DECODE_STEPS, before=use)
     try:
-        for _ in range(repeats):
-            for name in MEASURED:
-                target.set_tensors(copies[name])
-                best[name] = min(best[name], decode_step_ms(target))
+        ms = min_times(items, repeats, warmup=False)
     finally:
         target.set_tensors(own)
-    return best
-
-
-@torch.no_grad()
-def decode_step_ms(target: Target, steps: int = DECODE_STEPS, context: int = DECODE_CONTEXT) -> float:
-    """Mean ms of one one-token decode step of `target` in its current dtype, after a `context`-
-    token prefill and one warm-up step (untimed): TargetCache.forward + commit, the calls plain
-    decoding makes per token (draftkit/inference/decoder.py plain_generate), at batch 1."""
-    from draftkit.inference.cache import TargetCache
-
-    dev = target.device
-    ids = (torch.arange(context + steps + 1, device=dev) * 7 + 3) % target.vocab_size  # (L,) any tokens
-    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    tc = TargetCache(target, 1)
-    tc.forward(ids[None, :context], one.expand(1, context))
-    tc.commit(one.expand(1, context))
-    t0 = 0.0
-    for i in range(context, context + steps + 1):
-        if i == context + 1:  # the first step warmed up
-            t0 = time.perf_counter()
-        tc.forward(ids[None, i:i + 1], one)
-        tc.commit(one)
-    return (time.perf_counter() - t0) * 1000 / steps
+    return {name: plain_step_ms(ms[name, "first"], ms[name, "run"], DECODE_STEPS) for name in MEASURED}
 
 
 def use_decode_dtype(dtype: str, target: Target, head=None) -> StageDtypes:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from draftkit.heads import build_head
-from draftkit.inference import cost
+from draftkit.inference import cost, timing
 from draftkit.inference.cost import (Calibration, Candidate, Costs, Position, SearchSpace, Trace, auto_draft, choose,
                                      choose_per_category, format_choice, measure_costs, predict)
 from draftkit.inference.drafters import DraftSettings
@@ -59,7 +59,7 @@ class Clock:
 
 @pytest.fixture
 def clocked(monkeypatch):
-    """A tiny target and EAGLE head on the Clock; cost.plain_generate counts the rounds' plain runs."""
+    """A tiny target and EAGLE head on the Clock; timing.plain_generate counts the rounds' plain runs."""
     target = make_tiny_target()
     head = build_head({"type": "eagle"}, target).eval()
     clock = Clock()
@@ -68,13 +68,13 @@ def clocked(monkeypatch):
                         clock.charged(target.decoder, lambda *a, input_ids, **kw: 1 + input_ids.shape[1]))
     monkeypatch.setattr(head, "draft_tree", clock.charged(head.draft_tree, lambda *a, **kw: 2))
     monkeypatch.setattr(head, "tree_root", clock.charged(head.tree_root, lambda *a, **kw: 1))
-    real = cost.plain_generate
+    real = timing.plain_generate
 
     def counted(target_, prompts, n, *a, **kw):
         out = real(target_, prompts, n, *a, **kw)
         clock.rounds_done += n == 1 + PLAIN_TOKENS
         return out
-    monkeypatch.setattr(cost, "plain_generate", counted)
+    monkeypatch.setattr(timing, "plain_generate", counted)
     return target, head, clock
 
 

@@ -2,20 +2,22 @@
 decode stage follows a short measurement on a CPU without native bf16, a forced dtype is every
 stage's, and a target cast for decoding is the target loaded in that dtype.
 
-CPU flags are monkeypatched (torch.cpu's probes and draftkit.target.cpu_flags) and the decode
-timings replaced by a fake that reads the dtype the target is in when timed, so every choice is
-deterministic on any machine.
+CPU flags are monkeypatched (torch.cpu's probes and draftkit.target.cpu_flags) and the plain
+decoding the measurement times replaced by a fake that charges a clock by the dtype the target is
+in when run, so every choice is deterministic on any machine.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from draftkit import device
 from draftkit.device import DECODE_MARGIN, DECODE_REPEATS, stage_dtypes, use_decode_dtype
+from draftkit.inference import timing
 from tests.conftest import make_tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -32,16 +34,21 @@ def cpu(monkeypatch, amx: bool = False, avx512_bf16: bool = False, flags: str = 
 
 
 def fake_timings(monkeypatch, ms: dict[str, list[float]]) -> list[str]:
-    """decode_step_ms returns ms[dtype of the target's weights now][round]; returns the dtypes seen, in order."""
+    """Plain decoding, as the measurement times it (draftkit/inference/timing.py), costs
+    ms[dtype of the target's weights now][round] per generated token on a clock of timing's own;
+    returns the dtypes seen, one per round (its longer run), in order."""
     seen: list[str] = []
+    clock = SimpleNamespace(now=0.0)
 
-    def step(target):
+    def plain(target, prompts, n, *a, **kw):
         name = str(target.dtype).replace("torch.", "")
         assert {t.dtype for t in target.dtype_tensors()} == {target.dtype}  # the whole target, not only lm_head
-        seen.append(name)
-        return ms[name][seen.count(name) - 1]
+        rnd = seen.count(name)  # a round's 1-token run comes before its longer one
+        seen.extend([name] * (n > 1))
+        clock.now += n * ms[name][rnd] / 1e3
 
-    monkeypatch.setattr(device, "decode_step_ms", step)
+    monkeypatch.setattr(timing, "plain_generate", plain)
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     return seen
 
 
@@ -55,7 +62,8 @@ def test_auto_on_an_avx2_cpu_decodes_in_bf16_only_when_measured_faster(monkeypat
     own = [t.data_ptr() for t in target.dtype_tensors()]
     seen = fake_timings(monkeypatch, {"float32": [90.0, 74.0, 80.0], "bfloat16": [500.0, 45.0, 50.0]})
     st = stage_dtypes("auto", target)
-    assert (st.batched, st.decode, st.decode_ms) == ("float32", "bfloat16", {"float32": 74.0, "bfloat16": 45.0})
+    assert (st.batched, st.decode) == ("float32", "bfloat16")
+    assert st.decode_ms == pytest.approx({"float32": 74.0, "bfloat16": 45.0}, rel=1e-9)
     assert seen == ["float32", "bfloat16"] * DECODE_REPEATS
     assert target.dtype == torch.float32 and [t.data_ptr() for t in target.dtype_tensors()] == own
     for bf16, want in ((120.0, "float32"), (100 * (1 - DECODE_MARGIN) + 1, "float32"),
@@ -77,10 +85,10 @@ def test_auto_on_an_avx2_cpu_decodes_in_bf16_only_when_measured_faster(monkeypat
 def test_native_bf16_and_forced_dtypes_measure_nothing(monkeypatch, caplog):
     """AVX512-BF16 or AMX: bf16 for both stages, unmeasured, the target left as loaded; a forced
     dtype is every stage's on any CPU (an AVX2-only one included) and never cast."""
-    def no_measuring(target):
+    def no_measuring(*a, **kw):
         raise AssertionError("measured a decode step where the rule needs none")
 
-    monkeypatch.setattr(device, "decode_step_ms", no_measuring)
+    monkeypatch.setattr(timing, "plain_generate", no_measuring)
     for amx, avx512_bf16 in ((False, True), (True, False)):
         cpu(monkeypatch, amx, avx512_bf16, flags="avx2 avx512f avx512_bf16; torch cpu capability AVX512")
         target = make_tiny_target(dtype=torch.bfloat16)
@@ -154,6 +162,7 @@ def test_eval_on_an_avx2_cpu_runs_the_loop_in_the_measured_dtype(tmp_path, monke
         rep = json.loads((out / "report.json").read_text())
         stages = rep["dtype_stages"]
         assert rep["dtype"] == want and (stages["batched"], stages["decode"]) == ("float32", want)
-        assert stages["decode_ms"] == {"float32": 74.0, "bfloat16": bf16_ms} and f"cpu flags: {AVX2}" in stages["line"]
+        assert stages["decode_ms"] == pytest.approx({"float32": 74.0, "bfloat16": bf16_ms}, rel=1e-9)
+        assert f"cpu flags: {AVX2}" in stages["line"]
         assert rep["dtype_choice"] == stages["line"] and stages["line"] in caplog.messages
         assert ("target cast float32 -> bfloat16" in caplog.text) == (want == "bfloat16")

@@ -153,8 +153,9 @@ class EngineRequest:
     # vLLM CPU 0.32.0's rejection sampler applies an uninitialised temperature at T > 0 (vllm_worker.py:
     # fix_cpu_rejection_sampler): True serves it with the temperature applied as vLLM's rule states
     cpu_sampler_fix: bool = False
-    # several engines one after another in ONE worker process ({name, speculative_config}; the imports,
-    # ~10 s, paid once); then speculative_config is unused and the result lists `engines`
+    # several engines one after another in ONE worker process ({name, speculative_config, optionally
+    # drafter_files: that engine's for inspect_drafter}; the imports, ~10 s, paid once); then
+    # speculative_config is unused and the result lists `engines`
     engines: list[dict] | None = None
 
     def to_json(self) -> dict:

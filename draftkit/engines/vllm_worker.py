@@ -17,7 +17,8 @@ engines one after another in this one process (each built, run and shut down in 
 cpu_sampler_fix: vLLM CPU 0.32.0's rejection sampler applies an uninitialised temperature at T > 0
 (fix_cpu_rejection_sampler's doc); with it set, the worker probes for that defect after the engine
 starts and, where found, serves with the temperature applied as vLLM's rule states.
-  request with engines: [{name, speculative_config | null}] -> result {vllm_version,
+  request with engines: [{name, speculative_config | null, drafter_files (optional: this engine's
+           files for inspect_drafter)}] -> result {vllm_version,
            engines: [{name, speculative_config, load_seconds, runs: [...], drafter}]}
 
 Counters are vLLM's own (llm.get_metrics(): vllm:spec_decode_*), taken as the difference across
@@ -236,9 +237,11 @@ def fix_cpu_rejection_sampler() -> str:
     return "applied"
 
 
-def serve_engine(LLM, req: dict, speculative_config: dict | None, last: bool) -> dict:
+def serve_engine(LLM, req: dict, speculative_config: dict | None, last: bool,
+                 drafter_files: list | None = None) -> dict:
     """One engine: built, every run of the request, then (unless it is the last) shut down, so
-    that the next engine of request kind "engines" starts clean in this process."""
+    that the next engine of request kind "engines" starts clean in this process. inspect_drafter
+    reads `drafter_files` (default: the request's) and skips an engine without a drafter."""
     import gc
 
     t0 = time.perf_counter()
@@ -248,7 +251,9 @@ def serve_engine(LLM, req: dict, speculative_config: dict | None, last: bool) ->
     load = time.perf_counter() - t0
     fix = fix_cpu_rejection_sampler() if req.get("cpu_sampler_fix") else "off"  # after LLM(): kernels registered
     runs = [run_one(llm, req["prompts"], r) for r in req["runs"]]
-    drafter = inspect_drafter(llm, req["drafter_files"]) if req.get("inspect_drafter") else None
+    inspect = req.get("inspect_drafter") and speculative_config is not None
+    files = req["drafter_files"] if drafter_files is None else drafter_files
+    drafter = inspect_drafter(llm, files) if inspect else None
     if not last:
         llm.llm_engine.engine_core.shutdown()  # in-process core: frees the KV cache, tears down torch.distributed
         del llm
@@ -272,7 +277,8 @@ def main(request_path: str, result_path: str) -> int:
 
     if req.get("engines"):  # one engine after another in this process (the imports paid once)
         engines = [{"name": e["name"], "speculative_config": e.get("speculative_config"),
-                    **serve_engine(LLM, req, e.get("speculative_config"), last=i == len(req["engines"]) - 1)}
+                    **serve_engine(LLM, req, e.get("speculative_config"), last=i == len(req["engines"]) - 1,
+                                   drafter_files=e.get("drafter_files"))}
                    for i, e in enumerate(req["engines"])]
         result = {"vllm_version": vllm.__version__, "engines": engines}
     else:

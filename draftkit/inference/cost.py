@@ -29,7 +29,7 @@ depth) (or only consuming the confirmed positions), the lookup's proposal and me
 overhead (bookkeeping between the parts: the residual of a real run of the loop) and, at T > 0,
 the sampled walk's noise rows. Plain decoding's step is timed with plain_generate itself. Every cost is
 measured in several interleaved rounds and the minimum kept (load from other processes only ever
-adds time); the profile is checked for consistency and `warnings` says where it is not.
+adds time: inference/timing.py, which the decode-stage dtype choice times with too); the profile is checked for consistency and `warnings` says where it is not.
 
 The pick maximises the predicted speedup (mean over the requested temperatures); where no shape's
 prediction exceeds PAYS the choice is plain decoding. When the prompts carry two or more categories,
@@ -52,6 +52,7 @@ from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators
+from draftkit.inference.timing import min_times, plain_runs, plain_step_ms
 from draftkit.inference.tree import DraftTree, TreeShape, add_branches, tree_noise
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80)
@@ -517,24 +518,6 @@ def choose_per_category(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[
 # ---------------------------------------------------------------------------------------------
 
 
-def _min_times(items: dict, rounds: int, tick=None, warmup: bool = True) -> dict:
-    """ms of each callable: `rounds` interleaved rounds (after a warm-up round), the minimum kept
-    (another process can only ever add time). An item may be (fn, undo): undo runs after fn, untimed."""
-    best = {key: math.inf for key in items}
-    for r in range(rounds + warmup):
-        for key, item in items.items():
-            fn, undo = item if isinstance(item, tuple) else (item, None)
-            t = time.perf_counter()
-            fn()
-            if r or not warmup:
-                best[key] = min(best[key], 1e3 * (time.perf_counter() - t))
-            if undo is not None:
-                undo()
-        if tick is not None:
-            tick()
-    return best
-
-
 @torch.inference_mode()
 def measure_costs(target, head, context: list[int], topks, depth: int, params: SamplingParams, rounds: int = 5,
                   widths=VERIFY_WIDTHS, plain_tokens: int = 8, tick=None, warmup: bool = True) -> Costs:
@@ -554,15 +537,15 @@ def measure_costs(target, head, context: list[int], topks, depth: int, params: S
     items["head_prefill"] = lambda: head.tree_root(head.new_draft_state(1), feats, nxt, valid)
     lookup, tree = NgramDrafter(), head.draft_tree(state, one_f, one_t, one_v, TreeShape(4, min(3, depth), 16))
     items["lookup"] = lambda: add_branches(tree, [lookup.propose(context, max(LOOKUP_LENS))])  # HybridDrafter's extra
-    items["plain1"] = lambda: plain_generate(target, [context], 1, params, [0], [])
-    items["plainN"] = lambda: plain_generate(target, [context], 1 + plain_tokens, params, [0], [])
+    items["plain1"], items["plainN"] = plain_runs(target, context, plain_tokens, params)
     rows = 10
     if not params.greedy:
         gens = make_generators([0], dev)
         items["noise"] = lambda: tree_noise(rows - 1, target.vocab_size, gens)
-    ms = _min_times(items, rounds, tick, warmup)
+    ms = min_times(items, rounds, tick, warmup)
     return Costs({w: ms[("verify", w)] for w in widths}, {key[1:]: v for key, v in ms.items() if key[0] == "draft"},
-                 ms["consume"], (ms["plainN"] - ms["plain1"]) / plain_tokens, ms["plain1"], ms["head_prefill"],
+                 ms["consume"], plain_step_ms(ms["plain1"], ms["plainN"], plain_tokens), ms["plain1"],
+                 ms["head_prefill"],
                  noise_ms_per_row=ms.get("noise", 0.0) / rows, temperature=float(params.temperature),
                  plain_run_ms=ms["plainN"], plain_tokens=plain_tokens, lookup_ms=ms["lookup"])
 
@@ -832,7 +815,7 @@ def _min_costs(a: Costs, b: Costs) -> Costs:
                                                           "noise_ms_per_row", "plain_run_ms", "lookup_ms")}
     return replace(a, verify_ms={w: min(a.verify_ms[w], b.verify_ms[w]) for w in a.verify_ms},
                    draft_ms={key: min(a.draft_ms[key], b.draft_ms[key]) for key in a.draft_ms}, **low,
-                   plain_step_ms=(low["plain_run_ms"] - low["plain_prefill_ms"]) / a.plain_tokens)
+                   plain_step_ms=plain_step_ms(low["plain_prefill_ms"], low["plain_run_ms"], a.plain_tokens))
 
 
 def check_plain(traces: list[Trace], costs: Costs) -> list[str]:

@@ -1,0 +1,57 @@
+"""Timing on a shared machine, and plain decoding's step: the one home of both.
+
+min_times runs callables in interleaved rounds and keeps each one's minimum (another process only
+ever adds time). Plain decoding's step is timed by plain decoding itself (plain_generate, its
+sampling and bookkeeping included, nothing of the speculative loop): its run of 1 + N tokens less
+its run of 1 token on the same context, each the minimum over the rounds, divided by N.
+Calibration (cost.measure_costs) and the decode-stage dtype choice (device.measure_decode) both
+time their plain step this way.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+from draftkit.inference.decoder import plain_generate
+from draftkit.inference.sampling import SamplingParams
+
+
+def min_times(items: dict, rounds: int, tick=None, warmup: bool = True) -> dict:
+    """ms of each callable: `rounds` interleaved rounds (after a warm-up round), the minimum kept
+    (another process can only ever add time). An item may be (fn, undo): undo runs after fn, untimed."""
+    best = {key: math.inf for key in items}
+    for r in range(rounds + warmup):
+        for key, item in items.items():
+            fn, undo = item if isinstance(item, tuple) else (item, None)
+            t = time.perf_counter()
+            fn()
+            if r or not warmup:
+                best[key] = min(best[key], 1e3 * (time.perf_counter() - t))
+            if undo is not None:
+                undo()
+        if tick is not None:
+            tick()
+    return best
+
+
+def plain_runs(target, context: list[int], tokens: int, params: SamplingParams = SamplingParams(),
+               before: Callable[[], object] | None = None) -> tuple[Callable, Callable]:
+    """(first, run): plain_generate of 1 and of 1 + `tokens` tokens on `context` at batch 1 (no stop
+    tokens, seed 0), to be timed among min_times' items; plain_step_ms turns their minima into one
+    step. `before` (a dtype switch) runs inside both, so it cancels in the difference."""
+    def first():
+        if before is not None:
+            before()
+        plain_generate(target, [context], 1, params, [0], [])
+
+    def run():
+        if before is not None:
+            before()
+        plain_generate(target, [context], 1 + tokens, params, [0], [])
+    return first, run
+
+
+def plain_step_ms(first_ms: float, run_ms: float, tokens: int) -> float:
+    """ms of one plain decoding step from the timed runs of plain_runs (the prefill cancels)."""
+    return (run_ms - first_ms) / tokens
