@@ -11,8 +11,12 @@ cd "$(dirname "$0")/.."
 # them out locally. CI keeps the default: they run, never skip.
 export DRAFTKIT_CHECK_SPECULATORS="${DRAFTKIT_CHECK_SPECULATORS:-1}" DRAFTKIT_CHECK_GEMMA="${DRAFTKIT_CHECK_GEMMA:-1}"
 export DRAFTKIT_CHECK_VLLM="${DRAFTKIT_CHECK_VLLM:-1}"
+# vLLM's suffix method (arctic-inference, built once by scripts/setup_vllm_suffix.sh in its own venv: ~1 min of
+# C++) is served by one test; on with vLLM, so CI runs it instead of skipping it.
+export DRAFTKIT_CHECK_VLLM_SUFFIX="${DRAFTKIT_CHECK_VLLM_SUFFIX:-$DRAFTKIT_CHECK_VLLM}"
 bash scripts/setup.sh
 if [ "$DRAFTKIT_CHECK_VLLM" = "1" ]; then bash scripts/setup_vllm.sh; fi
+if [ "$DRAFTKIT_CHECK_VLLM_SUFFIX" = "1" ]; then bash scripts/setup_vllm_suffix.sh; fi
 export DS_ACCELERATOR=cpu WANDB_MODE=disabled
 # One thread per process: the launcher tests run several processes on two cores, and spinning
 # threads starve each other (measured: 10x slower decoding under contention with 2 threads).

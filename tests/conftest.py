@@ -183,8 +183,8 @@ def vllm_python() -> str:
 
 def vllm_suffix_python() -> str:
     """The Python that serves vLLM's suffix method (arctic-inference: scripts/setup_vllm_suffix.sh), for
-    its test: DRAFTKIT_CHECK_VLLM_SUFFIX=1 makes a missing one a failure, =0 leaves it out, unset (CI:
-    the package is optional) skips with the reason."""
+    its test: DRAFTKIT_CHECK_VLLM_SUFFIX=1 (scripts/test.sh's default with vLLM, so CI builds and runs it)
+    makes a missing one a failure, =0 leaves it out, unset (a local run) skips with the reason."""
     from draftkit.engines import vllm as ev
 
     want = os.environ.get("DRAFTKIT_CHECK_VLLM_SUFFIX")
