@@ -8,19 +8,24 @@ Two stages, because bf16 pays differently where the CPU only emulates it (AVX2, 
            bf16), else float32. It is the dtype load_target loads in; `draftkit prepare` and
            `train` run only this stage (the trainer's holdout eval decodes with its training
            target as loaded: casting it would change the features it trains on).
-  decode   one token per target forward: `draftkit eval`'s draft-verify loop, its calibration and
-           the plain-decoding baseline. Memory-bound, so halving the bytes read can win even with
-           emulated arithmetic (one-token decode 45 ms bf16 vs 74 ms fp32 on that CPU). auto = the
-           batched choice where bf16 is native (bf16 everywhere) or the device is not a CPU; on a
-           CPU without native bf16 a short measurement decides (measure_decode): plain decoding's
-           step of the actual target, timed as calibration times it (inference/timing.py:
-           DECODE_STEPS steps after a DECODE_CONTEXT-token prefill), in float32 and bfloat16,
-           interleaved, min over DECODE_REPEATS rounds; bfloat16 only when it is faster by
-           DECODE_MARGIN, else float32.
+  decode   `draftkit eval`'s draft-verify loop, its calibration and the plain-decoding baseline:
+           one-token steps, which are memory-bound (halving the bytes read can win even with
+           emulated arithmetic), but also every prompt's prefill and every verify step's forward of
+           several tokens, which are compute-bound. auto = the batched choice where bf16 is native
+           (bf16 everywhere) or the device is not a CPU; on a CPU without native bf16 a short
+           measurement of the actual target decides (measure_decode), in float32 and bfloat16,
+           interleaved, min over DECODE_REPEATS rounds (inference/timing.py): plain decoding's step
+           (DECODE_STEPS steps after a DECODE_CONTEXT-token prefill, timed as calibration times it),
+           a prefill of PREFILL_CONTEXT tokens and a VERIFY_WIDTH-token forward after it. bfloat16
+           only when it is faster by DECODE_MARGIN at all three, else float32. Measured on an
+           AVX2-only CPU (benchmarks/results/decode_dtype_avx2.json): bf16 took 0.43-0.56x fp32's
+           one-token step but 1.1-1.3x its 8-token verify and 3-6x its prefill, so a choice from the
+           one-token step alone ran eval's loop (and its plain baseline) in the slower dtype.
 A forced dtype (float32 / bfloat16 / float16) is every stage's, and nothing is measured. The
 choice is logged in one line (per stage, the measurement, the CPU flags) and eval writes it into
 report.json (`dtype_stages`). The measurement is not cached: it costs about 2 x DECODE_REPEATS x
-(two short prefills + DECODE_STEPS steps), and a cached one would outlive a busy machine's noise.
+(four prefills + DECODE_STEPS steps + a verify; ~10 s on the embedded target on an AVX2 CPU, most
+of it bf16's prefills), and a cached one would outlive a busy machine's noise.
 While it runs, a bfloat16 copy of the target's tensors exists beside the float32 ones (1.5x the
 float32 target's memory for those seconds); the float32 tensors themselves are never rounded.
 """
@@ -38,7 +43,9 @@ log = logging.getLogger(__name__)
 DECODE_STEPS = 4  # one-token steps per round: plain decoding of 1 + DECODE_STEPS tokens less that of 1
 DECODE_CONTEXT = 32  # tokens prefilled before them (in both runs: the difference leaves it out)
 DECODE_REPEATS = 3  # interleaved rounds per dtype; the minimum is kept (noise only ever adds time)
-DECODE_MARGIN = 0.10  # bfloat16 decodes only when its step is at least 10% shorter than float32's
+PREFILL_CONTEXT = 64  # prompt tokens of the timed prefill (Spec-Bench prompts: 100-750)
+VERIFY_WIDTH = 8  # tokens of the timed verify forward: a chain of 7 drafts, a tree of 8 nodes
+DECODE_MARGIN = 0.10  # bfloat16 decodes only when each timing is at least 10% shorter than float32's
 MEASURED = ("float32", "bfloat16")
 
 
@@ -47,9 +54,11 @@ class StageDtypes:
     """The dtype name of each stage and what the choice was made from."""
 
     batched: str  # data generation, prefill-heavy features, training
-    decode: str  # one-token decoding: eval's loop, its calibration, plain decoding
+    decode: str  # eval's loop, its calibration, plain decoding
     basis: str  # "forced", or auto's basis (draftkit.target.auto_basis: the CPU flags)
     decode_ms: dict[str, float] | None = None  # ms per one-token step per dtype, when measured
+    prefill_ms: dict[str, float] | None = None  # ms of a PREFILL_CONTEXT-token prefill per dtype
+    verify_ms: dict[str, float] | None = None  # ms of a VERIFY_WIDTH-token forward per dtype
 
     def describe(self) -> str:
         """The line the user sees: the dtype per stage, the measurement if any, the flags."""
@@ -58,9 +67,11 @@ class StageDtypes:
         if self.decode_ms is None:
             how = "not measured: bf16 is native here" if self.batched == "bfloat16" else "not measured off a CPU"
         else:
-            ms = ", ".join(f"{k} {v:.1f} ms" for k, v in self.decode_ms.items())
-            how = (f"one-token decode measured {ms} (min of {DECODE_REPEATS} rounds of {DECODE_STEPS} steps; "
-                   f"bfloat16 only when {DECODE_MARGIN:.0%} faster)")
+            def ms(d):
+                return ", ".join(f"{k} {v:.1f} ms" for k, v in (d or {}).items())
+            how = (f"one-token decode measured {ms(self.decode_ms)}; {VERIFY_WIDTH}-token verify {ms(self.verify_ms)}; "
+                   f"{PREFILL_CONTEXT}-token prefill {ms(self.prefill_ms)} (min of {DECODE_REPEATS} rounds; "
+                   f"bfloat16 only when {DECODE_MARGIN:.0%} faster at all three)")
         return f"dtype auto: batched stages {self.batched}, decode {self.decode} ({how}; {self.basis})"
 
     def to_dict(self) -> dict:
@@ -80,30 +91,35 @@ def stage_dtypes(dtype: str, target: Target) -> StageDtypes:
         raise TargetError(f"dtype auto: target {target.name} is {target.dtype}, not the batched stages' {batched} "
                           "it must be loaded in before the decode dtype is measured")
     ms = measure_decode(target)
-    decode = "bfloat16" if ms["bfloat16"] < (1 - DECODE_MARGIN) * ms["float32"] else "float32"
-    return StageDtypes(batched, decode, basis, ms)
+    faster = all(m["bfloat16"] < (1 - DECODE_MARGIN) * m["float32"] for m in ms.values())
+    return StageDtypes(batched, "bfloat16" if faster else "float32", basis, ms["step"], ms["prefill"], ms["verify"])
 
 
-def measure_decode(target: Target, repeats: int = DECODE_REPEATS) -> dict[str, float]:
-    """{dtype: ms per one-token decode step} for float32 (the target as loaded) and bfloat16 (a
-    temporary copy of its tensors, as Target.cast makes them): plain decoding's step, timed as
-    calibration times it (draftkit/inference/timing.py: DECODE_STEPS steps after a DECODE_CONTEXT-
-    token prefill, batch 1), the dtypes interleaved round by round and the minimum of `repeats`
-    rounds kept. The target's own tensors are put back whatever happens."""
-    from draftkit.inference.timing import min_times, plain_runs, plain_step_ms
+def measure_decode(target: Target, repeats: int = DECODE_REPEATS) -> dict[str, dict[str, float]]:
+    """{"step" | "prefill" | "verify": {dtype: ms}} for float32 (the target as loaded) and bfloat16
+    (a temporary copy of its tensors, as Target.cast makes them), batch 1: plain decoding's step,
+    timed as calibration times it (DECODE_STEPS steps after a DECODE_CONTEXT-token prefill), a
+    PREFILL_CONTEXT-token prefill and a VERIFY_WIDTH-token forward after it (draftkit/inference/
+    timing.py), the dtypes interleaved round by round and the minimum of `repeats` rounds kept. The
+    target's own tensors are put back whatever happens."""
+    from draftkit.inference.timing import forward_runs, min_times, plain_runs, plain_step_ms, verify_ms
 
     own = target.dtype_tensors()
     copies = {"float32": own, "bfloat16": [t.to(torch.bfloat16) for t in own]}
-    context = ((torch.arange(DECODE_CONTEXT) * 7 + 3) % target.vocab_size).tolist()  # any tokens
+    tokens = ((torch.arange(max(DECODE_CONTEXT, PREFILL_CONTEXT)) * 7 + 3) % target.vocab_size).tolist()  # any
     items = {}
     for name in MEASURED:
         use = (lambda name=name: target.set_tensors(copies[name]))  # the dtype switch: in both runs, so it cancels
-        items[name, "first"], items[name, "run"] = plain_runs(target, context, DECODE_STEPS, before=use)
+        items[name, "first"], items[name, "run"] = plain_runs(target, tokens[:DECODE_CONTEXT], DECODE_STEPS, before=use)
+        items[name, "prefill"], items[name, "both"] = forward_runs(target, tokens[:PREFILL_CONTEXT], VERIFY_WIDTH,
+                                                                   before=use)
     try:
         ms = min_times(items, repeats, warmup=False)
     finally:
         target.set_tensors(own)
-    return {name: plain_step_ms(ms[name, "first"], ms[name, "run"], DECODE_STEPS) for name in MEASURED}
+    return {"step": {n: plain_step_ms(ms[n, "first"], ms[n, "run"], DECODE_STEPS) for n in MEASURED},
+            "prefill": {n: ms[n, "prefill"] for n in MEASURED},
+            "verify": {n: verify_ms(ms[n, "prefill"], ms[n, "both"]) for n in MEASURED}}
 
 
 def use_decode_dtype(dtype: str, target: Target, head=None) -> StageDtypes:

@@ -33,21 +33,35 @@ def cpu(monkeypatch, amx: bool = False, avx512_bf16: bool = False, flags: str = 
     monkeypatch.setattr("draftkit.target.cpu_flags", lambda: flags)
 
 
-def fake_timings(monkeypatch, ms: dict[str, list[float]]) -> list[str]:
+def fake_timings(monkeypatch, ms: dict[str, list[float]], loop: dict[str, tuple[float, float]] | None = None
+                 ) -> list[str]:
     """Plain decoding, as the measurement times it (draftkit/inference/timing.py), costs
-    ms[dtype of the target's weights now][round] per generated token on a clock of timing's own;
-    returns the dtypes seen, one per round (its longer run), in order."""
+    ms[dtype of the target's weights now][round] per generated token on a clock of timing's own,
+    and the loop's prefill and verify forward (timing.loop_forward) cost loop[dtype] = (ms of the
+    prefill, ms of the verify forward) (default: bfloat16 0.9x float32's 100 / 50 ms, so the step
+    decides); returns the dtypes seen, one per round (its longer plain run), in order."""
     seen: list[str] = []
     clock = SimpleNamespace(now=0.0)
+    loop = loop or {"float32": (100.0, 50.0), "bfloat16": (80.0, 40.0)}
 
-    def plain(target, prompts, n, *a, **kw):
+    def dtype_now(target) -> str:
         name = str(target.dtype).replace("torch.", "")
         assert {t.dtype for t in target.dtype_tensors()} == {target.dtype}  # the whole target, not only lm_head
+        return name
+
+    def plain(target, prompts, n, *a, **kw):
+        name = dtype_now(target)
         rnd = seen.count(name)  # a round's 1-token run comes before its longer one
         seen.extend([name] * (n > 1))
         clock.now += n * ms[name][rnd] / 1e3
 
+    def forward(target, context, width):
+        assert len(context) == device.PREFILL_CONTEXT and width in (0, device.VERIFY_WIDTH)
+        prefill, verify = loop[dtype_now(target)]
+        clock.now += (prefill + (verify if width else 0.0)) / 1e3
+
     monkeypatch.setattr(timing, "plain_generate", plain)
+    monkeypatch.setattr(timing, "loop_forward", forward)
     monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     return seen
 
@@ -80,6 +94,32 @@ def test_auto_on_an_avx2_cpu_decodes_in_bf16_only_when_measured_faster(monkeypat
     assert "target cast float32 -> bfloat16 for the decode stage" in caplog.text
     assert target.dtype == torch.bfloat16 and target.dtype_choice == line
     assert st.to_dict()["line"] == line and st.to_dict()["margin"] == DECODE_MARGIN
+
+
+def test_auto_decodes_in_bf16_only_when_the_verify_and_the_prefill_are_faster_too(monkeypatch):
+    """The loop also prefills every prompt and verifies several tokens per forward, which are compute-
+    bound: on an AVX2-only CPU bf16 took 0.43-0.56x fp32's one-token step but 1.1-1.3x its 8-token
+    verify and 3-6x its prefill (benchmarks/results/decode_dtype_avx2.json). A bf16 step faster by
+    far decides nothing when either of the other two is not faster by the margin; all three faster
+    gives bf16. The line and to_dict carry the three measurements."""
+    cpu(monkeypatch)
+    target = make_tiny_target()
+    step = {"float32": [90.0] * 3, "bfloat16": [50.0] * 3}
+    edge = 100 * (1 - DECODE_MARGIN)
+    for loop, want in (({"float32": (375.0, 139.0), "bfloat16": (2180.0, 154.0)}, "float32"),  # measured
+                       ({"float32": (100.0, 100.0), "bfloat16": (50.0, edge + 1)}, "float32"),  # verify not faster
+                       ({"float32": (100.0, 100.0), "bfloat16": (edge + 1, 50.0)}, "float32"),  # prefill not faster
+                       ({"float32": (100.0, 100.0), "bfloat16": (edge - 1, edge - 1)}, "bfloat16")):
+        fake_timings(monkeypatch, step, loop)
+        st = stage_dtypes("auto", target)
+        assert (st.batched, st.decode) == ("float32", want), loop
+        assert st.prefill_ms == pytest.approx({k: v[0] for k, v in loop.items()}, rel=1e-9)
+        assert st.verify_ms == pytest.approx({k: v[1] for k, v in loop.items()}, rel=1e-9)
+        assert st.decode_ms == pytest.approx({"float32": 90.0, "bfloat16": 50.0}, rel=1e-9)
+    line = st.describe()
+    assert f"{device.VERIFY_WIDTH}-token verify float32 100.0 ms, bfloat16 {edge - 1:.1f} ms" in line
+    assert f"{device.PREFILL_CONTEXT}-token prefill float32 100.0 ms" in line and "at all three" in line
+    assert st.to_dict()["verify_ms"] == st.verify_ms and st.to_dict()["prefill_ms"] == st.prefill_ms
 
 
 def test_native_bf16_and_forced_dtypes_measure_nothing(monkeypatch, caplog):
@@ -122,7 +162,9 @@ def test_a_cast_target_is_the_target_loaded_in_that_dtype(tmp_path):
     loaded = load_target(str(tmp_path), dtype="float32")
     before = [t.clone() for t in loaded.dtype_tensors()]
     ms = device.measure_decode(loaded, repeats=1)
-    assert set(ms) == {"float32", "bfloat16"} and all(0 < v < float("inf") for v in ms.values())
+    assert set(ms) == {"step", "prefill", "verify"} and all(set(m) == {"float32", "bfloat16"} for m in ms.values())
+    assert all(0 < v < float("inf") for v in [*ms["step"].values(), *ms["prefill"].values()])
+    assert all(abs(v) < float("inf") for v in ms["verify"].values())  # a difference of minima: finite
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, loaded.dtype_tensors()))
     cast = loaded.cast("bfloat16", "why")
     ref = load_target(str(tmp_path), dtype="bfloat16")

@@ -55,3 +55,43 @@ def plain_runs(target, context: list[int], tokens: int, params: SamplingParams =
 def plain_step_ms(first_ms: float, run_ms: float, tokens: int) -> float:
     """ms of one plain decoding step from the timed runs of plain_runs (the prefill cancels)."""
     return (run_ms - first_ms) / tokens
+
+
+def loop_forward(target, context: list[int], width: int) -> None:
+    """The target's work for one prompt of the loop at batch 1: prefill `context` (TargetCache
+    forward + commit, as SpecDecoder and plain_generate prefill), then, when `width` > 0, one forward
+    of `width` new tokens after it (the forward of a verify step of that width; any tokens)."""
+    import torch
+
+    from draftkit.inference.cache import TargetCache
+
+    ids = torch.tensor([context], device=target.device)  # (1, P)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        tc = TargetCache(target, 1)
+        tc.forward(ids, valid)
+        tc.commit(valid)
+        if width:
+            tc.forward(ids[:, :width], valid[:, :width])
+
+
+def forward_runs(target, context: list[int], width: int,
+                 before: Callable[[], object] | None = None) -> tuple[Callable, Callable]:
+    """(prefill, verify): loop_forward of `context` alone and followed by a `width`-token forward, to
+    be timed among min_times' items: the first's minimum is the prefill, the difference of the two a
+    verify step's forward (verify_ms). `before` (a dtype switch) runs inside both."""
+    def prefill():
+        if before is not None:
+            before()
+        loop_forward(target, context, 0)
+
+    def verify():
+        if before is not None:
+            before()
+        loop_forward(target, context, width)
+    return prefill, verify
+
+
+def verify_ms(prefill_ms: float, both_ms: float) -> float:
+    """ms of the `width`-token forward from the timed runs of forward_runs (the prefill cancels)."""
+    return both_ms - prefill_ms
