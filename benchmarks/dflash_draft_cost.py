@@ -1,9 +1,11 @@
 """Draft milliseconds per verify step of a DFlash block vs an EAGLE-3 chain, k = 1..7, in the real loop.
 
     python benchmarks/dflash_draft_cost.py --out benchmarks/results/dflash_draft_cost.json
+    python benchmarks/dflash_draft_cost.py --dtype float32 --out benchmarks/results/dflash_draft_cost_avx2_fp32.json
 
 Both heads are built fresh (untrained) from the `head:` sections of recipes/dflash.yaml and
-recipes/eagle3.yaml on the embedded target in bf16: drafting cost does not depend on the weights.
+recipes/eagle3.yaml on the embedded target in --dtype (default bf16; float32 on a CPU without
+native bf16, e.g. AVX2-only, where bf16 matmuls are emulated): drafting cost does not depend on the weights.
 For each k, each head decodes the same prompts with SpecDecoder (chain of k, T = 0), interleaved
 head by head; reported: draft_ms_per_step (head.draft, consuming the confirmed positions included)
 and verify_ms_per_step. EAGLE-3 pays one head forward per drafted token, DFlash one per block.
@@ -33,15 +35,18 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4, 7])
     ap.add_argument("--prompts", type=int, default=4, help="copies of the prompt, decoded one by one")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="target and heads (float32 where the CPU has no native bf16)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
-    target = load_target(None, dtype="bfloat16")
+    dtype = getattr(torch, a.dtype)
+    target = load_target(None, dtype=a.dtype)
     heads = {}
     for name in ("eagle3", "dflash"):
         head = build_head(dict(load_recipe(ROOT / "recipes" / f"{name}.yaml").head), target)
         head.set_draft_vocab(tokens=torch.arange(target.vocab_size))  # any 8k tokens: cost only
-        heads[name] = head.to(torch.bfloat16).eval()
+        heads[name] = head.to(dtype).eval()
     ids = target.tokenizer(PROMPT)["input_ids"]
     rows = []
     for k in a.ks:
@@ -56,11 +61,24 @@ def main() -> None:
                          "verify_ms_per_step": 1e3 * verify / steps, "steps": int(steps)})
             print(f"{name:7s} k={k}  draft {rows[-1]['draft_ms_per_step']:6.1f} ms/step  "
                   f"verify {rows[-1]['verify_ms_per_step']:6.1f} ms/step", flush=True)
-    report = {"rows": rows, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+    ms = {(r["head"], r["k"]): r["draft_ms_per_step"] for r in rows}
+    ratio = {str(k): ms["dflash", k] / ms["eagle3", k] for k in a.ks}  # DFlash over EAGLE-3's chain of k
+    print("dflash / eagle3 draft ms per step: " + ", ".join(f"k={k} {v:.2f}x" for k, v in ratio.items()), flush=True)
+    report = {"rows": rows, "dflash_over_eagle3_draft": ratio, "dtype": a.dtype, "cpu_flags": cpu_flags(),
+              "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "prompt_tokens": len(ids), "note": "untrained heads: cost only, acceptance not measured"}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def cpu_flags() -> list[str]:
+    """The vector extensions that decide bf16 speed (Linux /proc/cpuinfo; [] elsewhere)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
 
 
 if __name__ == "__main__":

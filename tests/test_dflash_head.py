@@ -729,5 +729,5 @@ def test_kill_and_resume_equals_uninterrupted_run_with_a_dflash_head(tiny_model_
     assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
     a, b = head_weights(tmp_path / "full"), head_weights(tmp_path / "res")
     assert a.keys() == b.keys() and "fc.weight" in a
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+    for name in a:  # the failure names the tensor and says how far apart
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
