@@ -416,15 +416,17 @@ def test_speculators_export_runs_in_speculators_as_our_head(tmp_path, draft_voca
     import subprocess
     from pathlib import Path
 
-    from benchmarks.check_speculators_load import default_venv
+    from benchmarks.check_speculators_load import default_venv, ensure_venv
     from draftkit.export import ExportError, export_head
     from draftkit.target import Target
 
     venv = Path(os.environ.get("DRAFTKIT_SPECULATORS_VENV", default_venv()))
     if not (venv / "bin" / "python").exists():
-        if os.environ.get("DRAFTKIT_CHECK_SPECULATORS") == "1":
-            pytest.fail(f"no speculators venv at {venv} (DRAFTKIT_CHECK_SPECULATORS=1)")
-        pytest.skip(f"no speculators venv at {venv}: benchmarks/check_speculators_load.py creates it")
+        if os.environ.get("DRAFTKIT_CHECK_SPECULATORS") != "1":
+            pytest.skip(f"no speculators venv at {venv}: DRAFTKIT_CHECK_SPECULATORS=1 creates it (~6 min)")
+        # Asked for (CI): create it here, as test_export's check does. On a fresh machine this file runs
+        # before test_export.py, so waiting for that test to create it failed every fresh CI run.
+        ensure_venv(venv)
     tiny = make_arch_target("llama")
     tiny.model.save_pretrained(tmp_path / "verifier")  # speculators reads embed_tokens / lm_head from it
     target = Target(tiny.model, None, name=str(tmp_path / "verifier"))
