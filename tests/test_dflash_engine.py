@@ -123,6 +123,13 @@ PLANTED = {  # bug -> Layout fields to replace
 }
 
 
+# How far below our loop's tau the engine must fall. Layer ids off by one collapse it. Without the mask
+# embedding file vLLM takes the target's embedding row of mask_token_id: on an AVX2-only CPU the fitted tiny
+# head still drafted at tau 2.86 vs our 3.0 there (alpha_1 0.788 vs 0.841), so that plant is caught by the
+# per-position comparison below (tolerance 0.01), not by a collapse (it was a 0.3 collapse on AVX512 machines).
+COLLAPSE = {"target_layer_ids_off_by_one": 0.3, "mask_embedding_file_dropped": 0.0}
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_dflash_export_bug_collapses_engine_acceptance(bug, world, engine_python, monkeypatch, tmp_path):
@@ -131,6 +138,6 @@ def test_planted_dflash_export_bug_collapses_engine_acceptance(bug, world, engin
     export = export_head(world["root"] / "dflash", "vllm", tmp_path / "export", target=world["target"])
     res, engine, ours = engine_and_loop(world, export, engine_python)
     assert res["runs"][0]["outputs"] == world["ref"]  # still lossless: only acceptance shows the bug
-    assert engine["tau"] < ours["tau"] - 0.3, (bug, engine, ours)
+    assert engine["tau"] < ours["tau"] - COLLAPSE[bug], (bug, engine, ours)
     c = ev.compare(ours, engine, greedy_fp32=True)
     assert not c["ok"] and any(f.startswith("alpha_1") for f in c["failures"]), c
