@@ -163,8 +163,9 @@ def test_a_cast_target_is_the_target_loaded_in_that_dtype(tmp_path):
     before = [t.clone() for t in loaded.dtype_tensors()]
     ms = device.measure_decode(loaded, repeats=1)
     assert set(ms) == {"step", "prefill", "verify"} and all(set(m) == {"float32", "bfloat16"} for m in ms.values())
-    assert all(0 < v < float("inf") for v in [*ms["step"].values(), *ms["prefill"].values()])
-    assert all(abs(v) < float("inf") for v in ms["verify"].values())  # a difference of minima: finite
+    assert all(0 < v < float("inf") for v in ms["prefill"].values())
+    # step and verify are differences of minima: on the tiny target, noise-sized and finite (not always > 0)
+    assert all(abs(v) < float("inf") for v in [*ms["step"].values(), *ms["verify"].values()])
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, loaded.dtype_tensors()))
     cast = loaded.cast("bfloat16", "why")
     ref = load_target(str(tmp_path), dtype="bfloat16")
