@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -23,30 +22,11 @@ from pathlib import Path
 
 import torch
 
-from draftkit.inference.cache import TargetCache
 from draftkit.inference.report import atomic_write
+from draftkit.inference.timing import forward_runs, min_times, verify_ms
 from draftkit.target import auto_basis, load_target
 
 DTYPES = ("float32", "bfloat16")
-
-
-@torch.no_grad()
-def time_forward(target, context: int, width: int) -> tuple[float, float]:
-    """(prefill ms of `context` tokens, ms of one forward of `width` new tokens after it), one try."""
-    dev = target.device
-    ids = (torch.arange(context + 2 * width, device=dev) * 7 + 3) % target.vocab_size  # any tokens
-    tc = TargetCache(target, 1)
-    ones = torch.ones(1, context + 2 * width, dtype=torch.bool, device=dev)
-    t0 = time.perf_counter()
-    tc.forward(ids[None, :context], ones[:, :context])
-    prefill = time.perf_counter() - t0
-    tc.commit(ones[:, :context])
-    tc.forward(ids[None, context:context + width], ones[:, :width])  # warm-up at this width
-    tc.commit(ones[:, :width])
-    t0 = time.perf_counter()
-    tc.forward(ids[None, context + width:context + 2 * width], ones[:, :width])
-    step = time.perf_counter() - t0
-    return prefill * 1000, step * 1000
 
 
 def main(argv=None) -> int:
@@ -61,18 +41,23 @@ def main(argv=None) -> int:
     target = load_target(args.target, dtype="float32")
     own = target.dtype_tensors()
     copies = {"float32": own, "bfloat16": [t.to(torch.bfloat16) for t in own]}
-    best: dict[tuple, float] = {}
+    tokens = ((torch.arange(max(args.contexts)) * 7 + 3) % target.vocab_size).tolist()  # any tokens
+    items = {}
+    for name in DTYPES:
+        use = (lambda name=name: target.set_tensors(copies[name]))
+        for p in args.contexts:
+            for w in args.widths:
+                items[name, "prefill", p, w], items[name, "both", p, w] = forward_runs(target, tokens[:p], w, use)
     try:
-        for _ in range(args.rounds):
-            for p in args.contexts:
-                for w in args.widths:
-                    for name in DTYPES:
-                        target.set_tensors(copies[name])
-                        pre, step = time_forward(target, p, w)
-                        for key, v in (((name, "prefill", p, 0), pre), ((name, "step", p, w), step)):
-                            best[key] = min(best.get(key, math.inf), v)
+        ms = min_times(items, args.rounds)  # interleaved rounds after a warm-up round, the minimum kept
     finally:
         target.set_tensors(own)
+    best: dict[tuple, float] = {}
+    for name in DTYPES:
+        for p in args.contexts:
+            best[name, "prefill", p, 0] = min(ms[name, "prefill", p, w] for w in args.widths)
+            for w in args.widths:
+                best[name, "step", p, w] = verify_ms(ms[name, "prefill", p, w], ms[name, "both", p, w])
 
     rows = []
     print(f"{'what':>8} {'P':>5} {'w':>3} {'fp32 ms':>9} {'bf16 ms':>9} {'bf16/fp32':>9}")
