@@ -159,6 +159,11 @@ def _layers_off_by_one(config_out):
     return out
 
 
+# tau lost to each plant, at least. Swapping q and k of the head's one layer turns its attention scores
+# x_i^T A x_j into x_i^T A^T x_j; the fitted tiny head attends mostly to its own position, so on an
+# AVX2-only CPU it cost only 0.04 of tau (engine alpha 53/45/36 vs our 51/47/38 of 55 drafts; 0.3 and
+# more on AVX512 machines): that plant is caught by the per-position comparison, not by a collapse.
+COLLAPSE = {"fc_halves_swapped": 0.3, "q_k_swapped": None, "feature_layer_off_by_one": 0.3}
 PLANTED = {  # bug -> (family, Layout fields to replace)
     "fc_halves_swapped": ("eagle", lambda lay: {"tensors_out": lambda s, c: _swap_fc_halves(lay.tensors_out(s, c), c)}),
     "q_k_swapped": ("eagle", lambda lay: {"tensors_out": lambda s, c: _swap_q_k(lay.tensors_out(s, c), c)}),
@@ -179,9 +184,11 @@ def test_planted_export_bug_collapses_engine_acceptance(bug, world, engine_pytho
     # The check detects it: the engine accepts clearly less than our loop with the same head, and the
     # comparison fails at the first position. (On this tiny world a fitted head still predicts much
     # from the token alone, so a bug in the attention or the features costs ~0.5 of tau, not all.)
-    assert engine["tau"] < ours["tau"] - 0.3, (bug, engine, ours)
+    if COLLAPSE[bug] is not None:
+        assert engine["tau"] < ours["tau"] - COLLAPSE[bug], (bug, engine, ours)
+    assert engine["accepted_per_pos"] != ours["accepted_per_pos"], (bug, engine, ours)
     c = ev.compare(ours, engine, greedy_fp32=True)
-    assert not c["ok"] and any(f.startswith("alpha_1") for f in c["failures"]), c
+    assert not c["ok"] and any(f.startswith("alpha_") for f in c["failures"]), c
 
 
 def test_missing_vllm_is_one_clear_line(monkeypatch):
