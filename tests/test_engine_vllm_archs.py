@@ -8,13 +8,14 @@ fitted on its greedy continuations so that it accepts. One vLLM worker serves pl
 T = 0): the head's tokens are vLLM plain's (= transformers'), vLLM's accepted tokens per position EQUAL our
 loop's under the engine rule, and every tensor of the file is used. 142 s measured (setup 67 s, serve 75 s).
 
-DRAFTKIT_VLLM_ARCHS_ALL=1 adds EAGLE (1) and Qwen2 (attention biases) and Mistral (a sliding window of
-WINDOW tokens, crossed by every answer) targets: 160-225 s per architecture, so not in the suite. Measured
-on this branch: Qwen3 and Qwen2 equal for both families; Mistral's outputs equal but vLLM's EAGLE-3 accepts less than
-our loop (84 drafts, accepted per position 52/30/22, against our 57 drafts, 50/43/38). Likely cause, read in
-vLLM 0.32 and not yet confirmed by a run: the drafter's layer has no per-layer window, so its attention takes
-the model-level one, the target's (vllm/model_executor/layers/attention/attention.py:266-271,
-cache_config.sliding_window), while draftkit's head attends to the whole context. Open.
+DRAFTKIT_VLLM_ARCHS_ALL=1 adds EAGLE (1) and Qwen2 (attention biases) and Mistral targets: one with a
+sliding window of WINDOW tokens, crossed by every answer, and one whose window (WIDE_WINDOW) is never
+crossed: 160-225 s per architecture, so not in the suite. Measured: Qwen3 and Qwen2 equal for both
+families; with the window crossed, Mistral's outputs equal but vLLM's EAGLE-3 accepted less than our loop
+(84 drafts, accepted per position 52/30/22, against our 57 drafts, 50/43/38): vLLM puts the target's
+model-level window on the drafter's attention, while draftkit's head attends to the whole context
+(draftkit/export/vllm.py: draft_window, read in vLLM 0.32; export and `eval --engine vllm` say so).
+That case asserts the difference the note announces; the uncrossed one, equality.
 
 DRAFTKIT_CHECK_VLLM as in test_engine_vllm.py (1: a missing vLLM fails; 0: left out).
 """
@@ -28,14 +29,16 @@ import torch
 from draftkit.engines import vllm as ev
 from draftkit.engines.vllm_eval import cpu_serving_refusal, loop_decoder
 from draftkit.export import export_head
+from draftkit.export.vllm import draft_window, window_note
 from draftkit.heads import build_head
 from tests.conftest import fit
 from tests.test_engine_vllm import BATCH, HEADS, K, N_NEW, check_drafter
 
 ALL = os.environ.get("DRAFTKIT_VLLM_ARCHS_ALL") == "1"
 FAMILIES = ("eagle3", "eagle") if ALL else ("eagle3",)
-ARCHS = ["qwen3", "qwen2", "mistral"] if ALL else ["qwen3"]
+ARCHS = ["qwen3", "qwen2", "mistral", "mistral-wide"] if ALL else ["qwen3"]
 WINDOW = 12  # Mistral's sliding window: shorter than prompt + answer (4 + 24), so it is crossed
+WIDE_WINDOW = 64  # longer than prompt + answer: never crossed
 
 
 def save_arch_target(arch: str, directory):
@@ -50,7 +53,8 @@ def save_arch_target(arch: str, directory):
                   bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
     cfg, cls = {"qwen3": (tf.Qwen3Config(**common), tf.Qwen3ForCausalLM),
                 "qwen2": (tf.Qwen2Config(**common), tf.Qwen2ForCausalLM),
-                "mistral": (tf.MistralConfig(**common, sliding_window=WINDOW), tf.MistralForCausalLM)}[arch]
+                "mistral": (tf.MistralConfig(**common, sliding_window=WINDOW), tf.MistralForCausalLM),
+                "mistral-wide": (tf.MistralConfig(**common, sliding_window=WIDE_WINDOW), tf.MistralForCausalLM)}[arch]
     torch.manual_seed(0)
     model = cls(cfg)
     with torch.no_grad():
@@ -69,7 +73,7 @@ def arch_world(request, tmp_path_factory):
 
     arch, root = request.param, tmp_path_factory.mktemp(f"vllm-{request.param}")
     target = save_arch_target(arch, root / "target")
-    assert target.config.model_type == arch
+    assert target.config.model_type == arch.removesuffix("-wide")
     prompts = torch.randint(3, 256, (8, 4), generator=torch.Generator().manual_seed(1)).tolist()
     ref, _, _ = plain_generate(target, prompts, max_new_tokens=N_NEW, stop_ids=[])
     seqs = torch.tensor([p + r for p, r in zip(prompts, ref)])
@@ -112,7 +116,35 @@ def test_exports_on_the_architecture_are_served_as_our_loop_runs_them(arch_world
         outs, stats = dec.generate(w["prompts"], N_NEW)
         assert outs == w["ref"], family  # and in our loop
         engine, ours = ev.engine_figures(run["counters"], K), ev.loop_figures(stats)
+        window = draft_window(w["target"].config)
+        if window is not None and len(w["prompts"][0]) + N_NEW > window:  # the drafter's window is crossed
+            assert "so it is crossed" in window_note(w["target"], family, len(w["prompts"][0]) + N_NEW)
+            assert engine["accepted_per_pos"] != ours["accepted_per_pos"], (w["arch"], family, engine, ours)
+            continue
         assert (engine["drafts"], engine["accepted_per_pos"]) == (ours["drafts"], ours["accepted_per_pos"]), (
             w["arch"], family, engine, ours)
         assert engine["accept_rate"][0] > 0.5, (w["arch"], family, engine)  # the equality is not 0 == 0
         check_drafter(served[family]["drafter"], family)
+
+
+def test_the_drafter_window_is_the_targets_only_where_vllm_puts_it_there(tmp_path, caplog):
+    """draft_window: vLLM's drafter takes the target's window only when every target layer slides (no
+    layer_types, or all sliding); a vLLM export on such a target, and eval's engine path, say so."""
+    import transformers as tf
+
+    cases = [(tf.MistralConfig(sliding_window=WINDOW), WINDOW), (tf.MistralConfig(sliding_window=None), None),
+             (tf.Qwen2Config(), None),  # use_sliding_window false
+             (tf.Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0, num_hidden_layers=4), 64),
+             (tf.Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=2, num_hidden_layers=4), None),
+             (tf.Gemma3TextConfig(), None),  # interleaved: vLLM leaves the model-level window unset
+             (tf.LlamaConfig(), None), (tf.Qwen3Config(), None)]
+    assert [draft_window(c) for c, _ in cases] == [w for _, w in cases]
+    target = save_arch_target("mistral", tmp_path / "target")
+    assert "so it is crossed" in window_note(target, "eagle3", WINDOW + 1)
+    assert "so it is not crossed" in window_note(target, "eagle3", WINDOW)
+    assert window_note(target, "medusa") is None  # no attention in Medusa's heads
+    torch.manual_seed(0)
+    build_head(dict(HEADS["eagle3"]), target).save_pretrained(tmp_path / "head")
+    with caplog.at_level("WARNING", logger="draftkit.export.formats"):
+        export_head(tmp_path / "head", "vllm", tmp_path / "export", target=target)
+    assert any(f"sliding window of {WINDOW} tokens" in m for m in caplog.messages), caplog.messages

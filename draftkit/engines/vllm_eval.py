@@ -167,10 +167,15 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
     prompts and settings (plain_outputs), for a run that does not serve "plain" itself, so that its
     T = 0 check "vLLM with the head = vLLM plain" still runs (benchmarks/engine_vllm.py: several heads,
     plain served once). A run that serves plain checks against its own."""
+    from draftkit.export.vllm import window_note
     from draftkit.inference.decoder import stop_token_ids
 
     work = Path(s.work_dir or tempfile.mkdtemp(prefix="draftkit-engine-eval-"))
     export, contract, notes = prepare_export(Path(head_dir), target, work)
+    window = window_note(target, contract["family"], max(map(len, prompts)) + s.max_new_tokens)
+    if window:
+        log.warning("vLLM: %s", window)
+        notes.append(window)
     refusal = cpu_serving_refusal(target, export)  # the benchmarks' path too, before vLLM starts
     if refusal:
         raise ValueError(f"vLLM: {refusal}; {CUDA_SERVES}")

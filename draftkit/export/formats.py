@@ -92,6 +92,11 @@ def export_head(head_dir: str | Path, fmt: str, out: str | Path, *, target=None,
         return write_dir(Path(out), {**native_out(native, state), CONTRACT_KEY: contract}, state, overwrite,
                          metadata={"draftkit_family": family})
     ctx = Context(native=native, target=target, verifier=named)
+    if fmt == "vllm" and target is not None:
+        from draftkit.export.vllm import window_note  # vllm.py registers layouts and imports this module
+        note = window_note(target, family)
+        if note:
+            log.warning("note: %s: %s", where, note)
     dropped = None
     if "d2t" in state and not table_matches("d2t", ctx.table(layout), reverse=False):
         native, state, dropped = drop_draft_vocab(native, state, layout, full_vocab, where)

@@ -173,3 +173,37 @@ refuse("vllm", "mtp", MTP_REFUSAL)
 refuse_target("vllm", ("eagle", "eagle3"), GEMMA_TYPES,
               GEMMA_EMBEDDING.format(src="vllm/model_executor/models/llama_eagle*.py")
               + " (and vLLM's gemma3.py implements no SupportsEagle3)")
+
+
+# ---- what vLLM does with a served drafter beyond its file ----------------------------------------
+
+def draft_window(target_config) -> int | None:
+    """The sliding window vLLM applies to a drafter's attention on this target, or None (full attention).
+
+    vLLM 0.32 sets CacheConfig.sliding_window to the target's `sliding_window` when the target has no
+    `layer_types` or only sliding ones (vllm/engine/arg_utils.py, create_engine_config; interleaved
+    models such as Gemma 3 get None so their global layers stay global), and an attention layer built
+    without a per-layer window takes that model-level one (vllm/model_executor/layers/attention/
+    attention.py, Attention.__init__). The drafters (llama_eagle.py, llama_eagle3.py, qwen3_dflash.py)
+    build theirs with the target's cache_config and no per-layer window, so they attend to the last
+    `window` tokens only, while draftkit's heads attend to the whole context: past that many tokens
+    the served head accepts differently from our loop (measured: tests/test_engine_vllm_archs.py)."""
+    window = getattr(target_config, "sliding_window", None)
+    if not window or getattr(target_config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(target_config, "layer_types", None)
+    return int(window) if types is None or all(t == "sliding_attention" for t in types) else None
+
+
+def window_note(target, family: str, longest: int | None = None) -> str | None:
+    """The note for a `family` head (Medusa's heads have no attention) on a target whose window vLLM
+    puts on the drafter (draft_window), or None; `longest`: the longest context a run will see."""
+    window = draft_window(getattr(target, "config", None))
+    if window is None or family == "medusa":
+        return None
+    crossed = ("" if longest is None else
+               f"; this run's longest context is {longest} tokens, so it is {'' if longest > window else 'not '}crossed")
+    return (f"the target {getattr(target, 'name', '')} has a sliding window of {window} tokens on every layer, and "
+            f"vLLM puts it on the drafter's attention too (draftkit's head attends to the whole context): past "
+            f"{window} tokens of context the served head accepts differently from our loop{crossed}")
+
