@@ -49,7 +49,7 @@ from draftkit.inference.decoder import SpecDecoder, stop_token_ids
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import _prepare, as_prompts, read_prompt_file
 from draftkit.inference.report import atomic_write
-from draftkit.target import CPU_FLAGS, load_target
+from draftkit.target import cpu_flags, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = ROOT / "benchmarks" / "results" / "specbench_dev60.jsonl"
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
            "budget_s": args.budget_s,
            "max_length": recipe.data.max_length, "headline": dtypes[-1],
            "dtypes": dtype_facts(recipe, trained_dtype, configs), "configs": configs,
-           "machine": {"cpu_flags": [f for f in CPU_FLAGS if f in _cpu_flags()], "threads": torch.get_num_threads(),
+           "machine": {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
                        "python": platform.python_version(), "torch": torch.__version__},
            "seconds": time.perf_counter() - t0}
     res["gap"] = gap_summary(res)
@@ -467,13 +467,6 @@ def dtype_facts(recipe, trained_dtype: str, configs: dict) -> dict:
             "in_training_eval": f"{trained_dtype} target, fp32 head weights, no autocast "
                                 "(Trainer.speculative_eval)",
             "loop": {d: f"{c['target_dtype']} target and head (draftkit eval --dtype {d})" for d, c in configs.items()}}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,19 +75,23 @@ def parse_heads(items: list[str]) -> dict[str, Path]:
     return heads
 
 
+RUN_KEYS = ("tau", "acceptance_per_position", "speedup", "tokens_per_s", "draft_ms_per_step", "verify_ms_per_step")
+
+
 def fmt(x, spec: str = ".2f", none: str = "–") -> str:
     return none if x is None else format(x, spec)
 
 
 def markdown(rows: list[dict]) -> str:
     """The README's table: one row per family and temperature."""
-    md = ["| head | params | train s | held-out acc | T | τ | α_1..α_k | speedup |",
-          "|---|---|---|---|---|---|---|---|"]
+    md = ["| head | params | train s | held-out acc | T | τ | α_1..α_k | draft ms/step | tok/s | speedup |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for T, run in r["per_temperature"].items():
             alphas = " ".join(fmt(a) for a in run["acceptance_per_position"])
             md.append(f"| {r.get('name', r['family'])} | {r['params'] / 1e6:.1f}M | {fmt(r['train_seconds'], '.0f')} | "
                       f"{fmt(r['heldout_acc'], '.3f')} | {T} | {fmt(run['tau'])} | {alphas} | "
+                      f"{fmt(run.get('draft_ms_per_step'), '.1f')} | {fmt(run.get('tokens_per_s'), '.1f')} | "
                       f"{fmt(run['speedup'])}x |")
     return "\n".join(md) + "\n"
 
@@ -129,7 +134,7 @@ def main() -> None:
     from draftkit.heads import load_head
     from draftkit.inference.drafters import DraftSettings
     from draftkit.inference.evaluate import EvalSettings, evaluate, read_prompt_file
-    from draftkit.target import load_target
+    from draftkit.target import cpu_flags, load_target
 
     target = load_target(base.get("target", {}).get("path"), dtype=args.dtype)
     if not DEV_PROMPTS.is_file():
@@ -147,9 +152,7 @@ def main() -> None:
                "train_seconds": run.get("train_seconds"),
                "final_train_acc": run.get("final", {}).get("acc"),
                "heldout_acc": run.get("final", {}).get("heldout_acc"),
-               "per_temperature": {r["temperature"]: {"tau": r.get("tau"), "speedup": r.get("speedup"),
-                                                      "acceptance_per_position": r.get("acceptance_per_position")}
-                                   for r in rep["runs"]},
+               "per_temperature": {r["temperature"]: {key: r.get(key) for key in RUN_KEYS} for r in rep["runs"]},
                "tau": rep["tau"],
                "acceptance_per_position": rep["acceptance_per_position"], "speedup": rep.get("speedup"),
                "greedy_mismatches": rep.get("greedy_mismatches")}
@@ -158,7 +161,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    out.write_text(json.dumps({"settings": meta, "rows": rows}, indent=2, default=str))
+    machine = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "dtype": str(target.dtype),
+               "dtype_choice": target.dtype_choice}
+    out.write_text(json.dumps({"settings": meta, "machine": machine, "rows": rows}, indent=2, default=str))
     md = markdown(rows)
     out.with_suffix(".md").write_text(md)
     print(md)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from draftkit.heads.base import load_head
+from draftkit.target import cpu_flags
 from draftkit.inference.calibrate import calibration_prompts
 from draftkit.inference.cost import (OTHERS_CORES, Candidate, auto_draft, others_meter, position_step, predict,
                                      simulate, trace_prompt)
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     result = {"head": args.head, "prompts": args.prompts, "calibration_prompts": len(calib),
               "measured_prompts": len(held), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "cpu_flags": _cpu_flags(), "runs": []}
+              "cpu_flags": cpu_flags(), "runs": []}
     lines, parts, wlines = [], [], []
     for T in args.temperatures:
         t0 = time.perf_counter()
@@ -260,14 +261,6 @@ def main(argv=None) -> int:
     print("\n".join(wlines))
     print(f"wrote {args.out}")
     return 0
-
-
-def _cpu_flags() -> list[str]:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 from draftkit.config import load_recipe
 from draftkit.heads import build_head
 from draftkit.inference.decoder import SpecDecoder
-from draftkit.target import load_target
+from draftkit.target import cpu_flags, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("Summarize the following passage in three sentences. The history of the printing press begins "
@@ -70,15 +70,6 @@ def main() -> None:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=2) + "\n")
-
-
-def cpu_flags() -> list[str]:
-    """The vector extensions that decide bf16 speed (Linux /proc/cpuinfo; [] elsewhere)."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
 
 
 if __name__ == "__main__":
