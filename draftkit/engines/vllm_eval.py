@@ -172,7 +172,7 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
 
     work = Path(s.work_dir or tempfile.mkdtemp(prefix="draftkit-engine-eval-"))
     export, contract, notes = prepare_export(Path(head_dir), target, work)
-    window = window_note(target, contract["family"], max(map(len, prompts)) + s.max_new_tokens)
+    window = window_note(target, contract["family"], max(map(len, prompts), default=0) + s.max_new_tokens)
     if window:
         log.warning("vLLM: %s", window)
         notes.append(window)
