@@ -15,7 +15,8 @@ families; with the window crossed, Mistral's outputs equal but vLLM's EAGLE-3 ac
 (84 drafts, accepted per position 52/30/22, against our 57 drafts, 50/43/38): vLLM puts the target's
 model-level window on the drafter's attention, while draftkit's head attends to the whole context
 (draftkit/export/vllm.py: draft_window, read in vLLM 0.32; export and `eval --engine vllm` say so).
-That case asserts the difference the note announces; the uncrossed one, equality.
+That case asserts the difference the note announces; the uncrossed one, equality (both passed on the AVX2
+machine of session 13, 277 s: the cause confirmed by a run).
 
 DRAFTKIT_CHECK_VLLM as in test_engine_vllm.py (1: a missing vLLM fails; 0: left out).
 """
