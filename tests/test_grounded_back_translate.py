@@ -72,6 +72,29 @@ def test_the_second_pass_asks_for_english_from_exactly_the_first_pass_german():
     assert out == grounded_prompts(convs, 4, settings, seed=1, answer=FakeTarget())  # deterministic
 
 
+def test_back_translate_translates_opening_sentences_as_spec_bench_asks_one():
+    """Spec-Bench's translation prompts are one German sentence (30-400 characters): the first pass
+    translates the opening sentences of a long answer that fit in BACK_CHARS (a prefix ending at a
+    sentence end), not the whole answer, whose German ran past max_new_tokens in 5 of 5 first passes."""
+    from draftkit.distill.grounded import BACK_CHARS, excerpt
+
+    long = [Conversation(Prompt([{"role": "user", "content": f"Question {i}?"}], None, f"q:{i}"),
+                         f"Sentence one of answer {i} is here. " + "Then it goes on at length, clause after clause. " * 20,
+                         False, 5) for i in range(4)]
+    target = FakeTarget(reply=lambda text: text.split("\n\n", 1)[1][::-1])  # German as long as its English
+    out = grounded_prompts(long, 3, GroundedSettings(fraction=0.5, tasks=["back_translate"]), seed=0, answer=target)
+    (firsts,) = target.calls
+    assert len(out) == len(firsts) == 3
+    for first in firsts:
+        (source,) = first.target_text
+        whole = next(c.response.strip() for c in long if c.response.strip().startswith(source))
+        assert len(whole) > BACK_CHARS >= len(source) > BACK_CHARS - 60 and source.endswith(".")
+        assert first.messages[0]["content"].endswith(f"German.\n\n{source}")
+        assert source == excerpt(whole)
+    assert excerpt("One. Two three.") == "One. Two three."  # short: whole
+    assert excerpt("word " * 100, 50) == ("word " * 10).strip()  # one long sentence: whole words up to the limit
+
+
 def test_back_translate_takes_its_share_of_the_grounded_tasks():
     """Drawn uniformly like every kind: eagle-mix's six kinds at ~1/6 each (within 4 sigma of the
     binomial), back_translate's first passes asked in one call, one per task."""
@@ -145,10 +168,11 @@ def test_bad_back_translate_settings_name_the_field(caplog):
     settings = GroundedSettings(fraction=0.5, tasks=["back_translate"], min_chars=10)
     with pytest.raises(ValueError, match=r"data\.grounded\.tasks: back_translate needs the target to answer"):
         grounded_prompts(answers(3), 2, settings)
-    silent = FakeTarget(reply=lambda text: "" if "number 0 " in text else "Deutsch, lang genug.")
+    # German under half as long as the English it translates is no translation (none; a stub longer than min_chars)
+    silent = FakeTarget(reply=lambda text: "" if "number 0 " in text else "Kurz, aber nicht leer." if "number 1 " in text else text)
     with caplog.at_level(logging.WARNING, logger="draftkit.distill.grounded"):
         out = grounded_prompts(answers(3), 3, settings, seed=0, answer=silent)
-    assert len(out) == 2 and "1 of 3 back_translate first passes gave under 10 characters" in caplog.text
+    assert len(out) == 1 and "2 of 3 back_translate first passes gave German under half as long" in caplog.text
 
 
 def test_a_first_pass_cut_at_max_new_tokens_is_no_passage_and_its_task_takes_a_spare_answer(caplog):

@@ -10,9 +10,13 @@ answers the task like any other prompt (its answer is what the head learns).
 
 One kind takes two passes: `back_translate` (Spec-Bench's translation prompts are German -> English,
 while `translate` asks the target to write the other language). Its first pass asks the target to
-translate a response into German (the `translate` task's wording); the target's German, exactly as it
-answered, becomes the passage of a "Translate German to English: ..." prompt, which the target then
-answers like every other task. The first pass is not trained on: it only makes the passage.
+translate the opening sentences of a response (`excerpt`: up to BACK_CHARS characters) into German (the
+`translate` task's wording); the target's German, exactly as it answered, becomes the passage of a
+"Translate German to English: ..." prompt, which the target then answers like every other task. The
+first pass is not trained on: it only makes the passage. Sentences, not whole answers: Spec-Bench's
+translation prompts are one German sentence each (30-400 characters, median ~130), and a whole answer's
+German ran past max_new_tokens (192) in 5 of 5 first passes of a recipes/eagle-mix.yaml smoke run (60
+prompts): 3 of its 5 tasks found no spare and were dropped.
 A passage must be German the target finished: a first pass cut at max_new_tokens (no stop token; the
 response cache's `truncated`, which both engines record from the tokens) would make the task translate
 text that stops mid-sentence, and so would a source answer that was itself cut. Such a task keeps its
@@ -26,6 +30,7 @@ import hashlib
 import logging
 import math
 import random
+import re
 from collections.abc import Callable
 
 from draftkit.config import GROUNDED_TASKS, GroundedSettings
@@ -37,6 +42,8 @@ log = logging.getLogger(__name__)
 LANGUAGES = ("French", "German", "Spanish", "Italian", "Portuguese")
 BACK_FROM = "German"  # the language back_translate's first pass writes (Spec-Bench: WMT German -> English)
 REDRAW_ROUNDS = 4  # at most this many more first-pass calls for back_translate tasks whose German was cut
+BACK_CHARS = 300  # back_translate translates an answer's opening sentences within this many characters
+SENTENCE_END = re.compile(r"(?<=[.!?])\s")
 
 Answer = Callable[[list[Prompt]], list[Conversation]]  # the target answering prompts, in order
 
@@ -47,7 +54,7 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
     used at most once while there are unused ones), deterministic in (convs, n, settings, seed) and,
     for back_translate, in what `answer` says to the first passes (one call, more for cut ones; back_translate
     needs it). Each prompt names its passages as `target_text` (they are the target's own text).
-    A back_translate whose German is shorter than settings.min_chars is dropped (logged); one whose
+    A back_translate whose German is under half as long as its English (german_chars) is dropped (logged); one whose
     first pass or source answer was cut at max_new_tokens takes a spare answer's German instead
     (module docstring; dropped, logged, only when no spare finishes within REDRAW_ROUNDS more calls)."""
     passages = [c for c in convs if len(c.response.strip()) >= settings.min_chars]
@@ -80,8 +87,8 @@ def _draw(passages: list[Conversation], n: int, settings: GroundedSettings, seed
         texts = tuple(c.response.strip() for c in picks)
         language = LANGUAGES[rng.randrange(len(LANGUAGES))]  # drawn for every kind: the draws as they were
         template = task
-        if task == "back_translate":  # its first pass: the translate task, into German
-            template, language = "translate", BACK_FROM
+        if task == "back_translate":  # its first pass: the translate task of opening sentences, into German
+            template, language, texts = "translate", BACK_FROM, tuple(excerpt(t) for t in texts)
         text = GROUNDED_TASKS[template].format(passage="\n\n".join(texts), question=question.strip(),
                                                language=language)
         out.append((task, (texts, text), tuple(at)))
@@ -93,10 +100,10 @@ def _back_translated(drawn: list[tuple], passages: list[Conversation], order: li
     """drawn with each back_translate's first pass answered by the target and replaced by its second
     pass: the German response, stripped, as the passage of GROUNDED_TASKS' back_translate prompt.
 
-    One with less than settings.min_chars of German is dropped. One whose German was cut at
+    One with German under half as long as its English (german_chars) is dropped. One whose German was cut at
     max_new_tokens, or whose source answer was, takes (in task order) the German of the next spare
     group of answers in `order` (after the n draws, cycling once; complete answers, none a source of a
-    drawn back_translate) whose first pass finished with at least min_chars. The first call asks the
+    drawn back_translate) whose first pass finished with at least german_chars. The first call asks the
     drawn first passes (those over complete answers) and one spare per task drawn over a cut answer;
     each further call (at most REDRAW_ROUNDS) asks enough spares for the tasks still waiting at the
     failure rate seen so far. Tasks still waiting after that, or when the spares run out, are dropped.
@@ -124,7 +131,7 @@ def _back_translated(drawn: list[tuple], passages: list[Conversation], order: li
         german = answer(asks)
         if len(german) != len(asks):
             raise RuntimeError(f"back_translate: {len(asks)} first passes asked, {len(german)} answered")
-        usable = [not c.truncated and len(c.response.strip()) >= settings.min_chars for c in german]
+        usable = [not c.truncated and len(c.response.strip()) >= german_chars(a) for a, c in zip(asks, german)]
         for i, conv, ok in zip(direct, german, usable):
             if conv.truncated:
                 waiting.append(i)
@@ -142,8 +149,8 @@ def _back_translated(drawn: list[tuple], passages: list[Conversation], order: li
         if not waiting:
             break
     if short:
-        log.warning("data.grounded: %d of %d back_translate first passes gave under %d characters of %s; "
-                    "those tasks are dropped", len(short), len(firsts), settings.min_chars, BACK_FROM)
+        log.warning("data.grounded: %d of %d back_translate first passes gave %s under half as long as the text "
+                    "they translate; those tasks are dropped", len(short), len(firsts), BACK_FROM)
     if cut:
         log.info("data.grounded: %d of %d back_translate tasks had their %s or their source answer cut at "
                  "max_new_tokens; %d took a spare answer's %s (%d spares asked)", cut, len(firsts), BACK_FROM,
@@ -156,9 +163,29 @@ def _back_translated(drawn: list[tuple], passages: list[Conversation], order: li
     return [d for i, d in enumerate(out) if i not in gone]
 
 
+def excerpt(text: str, limit: int = BACK_CHARS) -> str:
+    """back_translate's source text: the opening sentences of `text` that fit in `limit` characters (a
+    prefix of it, up to a sentence end: . ! or ? before white space), or, when the first sentence alone is
+    longer, its words up to the limit."""
+    text = text.strip()
+    ends = [m.start() for m in SENTENCE_END.finditer(text) if m.start() <= limit]
+    if len(text) <= limit:
+        return text
+    if ends:
+        return text[:ends[-1]]
+    words = text[:limit + 1].rsplit(None, 1)[0] if " " in text[:limit + 1] else text[:limit]
+    return words.rstrip()
+
+
+def german_chars(first: Prompt) -> int:
+    """The least German a first pass must give to be a passage: half the characters of what it
+    translates (its target_text); less is an empty or broken translation."""
+    return max(1, len("\n\n".join(first.target_text)) // 2)
+
+
 def _first_pass(passages: list[Conversation], group: tuple[int, ...]) -> Prompt:
     """back_translate's first pass over passages[group]: the translate task into German, as _draw writes it."""
-    texts = tuple(passages[p].response.strip() for p in group)
+    texts = tuple(excerpt(passages[p].response.strip()) for p in group)
     return _task_prompt("back_translate-first", texts,
                         GROUNDED_TASKS["translate"].format(passage="\n\n".join(texts), language=BACK_FROM))
 
