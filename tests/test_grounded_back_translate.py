@@ -218,6 +218,24 @@ def test_an_answer_cut_at_max_new_tokens_is_never_translated_for_back_translate(
     assert [j for j, p in enumerate(out) if p != whole[j]] == [1, 4] and len({p.id for p in out}) == 6
 
 
+def test_a_long_cut_answers_opening_sentences_are_translated_as_they_are_whole():
+    """An answer cut at max_new_tokens far past BACK_CHARS still opens with whole sentences: its excerpt is
+    translated in the first call (no spare asked); a cut answer the excerpt runs to the end of is not."""
+    from draftkit.distill.grounded import excerpt, excerpt_cut
+
+    settings = GroundedSettings(fraction=0.5, tasks=["back_translate"], min_chars=10)
+    convs = [Conversation(Prompt([{"role": "user", "content": f"Question {i}?"}], None, f"q:{i}"),
+                          f"Answer {i} opens here. " + "It goes on and on, clause after clause, " * 30, True, 192)
+             for i in range(6)]  # every answer cut mid-sentence, ~1200 characters
+    assert not any(excerpt_cut(c) for c in convs)
+    target = FakeTarget()
+    out = grounded_prompts(convs, 3, settings, seed=0, answer=target)
+    assert len(target.calls) == 1 and len(out) == 3
+    assert {f.target_text for f in target.calls[0]} <= {(excerpt(c.response),) for c in convs}
+    short = Conversation(convs[0].prompt, "A short answer that was cut", True, 6)
+    assert excerpt_cut(short) and not excerpt_cut(Conversation(convs[0].prompt, short.response, False, 6))
+
+
 def test_cut_first_passes_keep_every_kinds_share():
     """eagle-mix's six kinds, a target that cuts every third first pass: each kind has exactly the
     count it has when nothing is cut, the grounded total is n, and no cut German is a passage."""
