@@ -169,13 +169,14 @@ def excerpt(text: str, limit: int = BACK_CHARS) -> str:
     prefix of it, up to a sentence end: . ! or ? before white space), or, when the first sentence alone is
     longer, its words up to the limit."""
     text = text.strip()
-    ends = [m.start() for m in SENTENCE_END.finditer(text) if m.start() <= limit]
     if len(text) <= limit:
         return text
+    head = text[:limit + 1]  # a sentence end at `limit` is the white space right after it
+    ends = [m.start() for m in SENTENCE_END.finditer(head)]
     if ends:
         return text[:ends[-1]]
-    words = text[:limit + 1].rsplit(None, 1)[0] if " " in text[:limit + 1] else text[:limit]
-    return words.rstrip()
+    words = head.rsplit(None, 1)
+    return (words[0] if len(words) > 1 else text[:limit]).rstrip()
 
 
 def excerpt_cut(answer: Conversation) -> bool:
