@@ -10,7 +10,10 @@ an exact binary fraction and a round can be made slow on purpose.
 3. Plain decoding's step is timed with plain decoding itself (plain_generate), not through the
    speculative loop: the loop's own parts (ancestor mask, walk, commit) are charged and do not
    appear in it.
-4. Per category: with prompts of several categories the best shape of each category's traces
+4. Breadth before length: when the traces' share of the budget cannot hold every prompt at
+   max_new_tokens, every prompt is still traced, the later ones for fewer tokens, and the
+   warnings say so; only below the shortest trace allowed are prompts left out.
+5. Per category: with prompts of several categories the best shape of each category's traces
    alone is reported beside the global choice (plain decoding where none pays there).
 """
 from __future__ import annotations
@@ -101,6 +104,37 @@ def test_calibration_budget_cuts_the_rounds_and_says_so(clocked):
         said = f"T=0: calibration budget ({budget:.0f} s): costs measured in {want} of 8 rounds"
         assert said in cal.warnings and said in chosen.measured["warnings"]
         assert f"draft auto: warning: {said}" in format_choice(chosen).splitlines()
+
+
+def test_a_small_budget_traces_every_prompt_for_fewer_tokens(clocked, monkeypatch):
+    """Six prompts, 24 new tokens each. A share that holds about three whole traces: all six are
+    traced (the first for 24 tokens, every later one for fewer, within the share), and the
+    warning names how many were cut and to what length. A share smaller than one trace of the
+    shortest length allowed: only the first is traced, and the warning says 1 of 6."""
+    target, head, clock = clocked
+    monkeypatch.setattr(cost, "MIN_TRACE_TOKENS", 4)
+    prompts = LOOP_PROMPTS + [LOOP_PROMPTS[0] + [50], LOOP_PROMPTS[1][:3]]
+    space = SearchSpace(topks=(2,), max_depth=2)
+    axes, cands = space.axes(2), space.candidates(2)
+    bar = SimpleNamespace(update=lambda n=1: None)
+
+    def traced(share):
+        run = cost._Calibrating(target, head, prompts, prompts[0], DraftSettings(), axes, cands, 3, 0, 24, 100.0,
+                                bar)
+        start = clock.now
+        traces, said = run.traces(SamplingParams(), share)
+        return traces, said, clock.now - start
+
+    whole, said, whole_s = traced(1e6)
+    assert [len(tr.tokens) for tr in whole] == [24] * 6 and said == []
+    traces, said, took = traced(whole_s / 2)
+    lens = [len(tr.tokens) for tr in traces]
+    assert len(traces) == 6 and lens[0] == 24 and all(4 <= n < 24 for n in lens[1:]), lens
+    assert took <= whole_s / 2 * 1.1, (took, whole_s)
+    assert said == [f"calibration budget (100 s): 5 prompts traced for {min(lens[1:])}-{max(lens[1:])} of 24 "
+                    "new tokens"]
+    traces, said, _ = traced(whole_s / 6 * 4 / 24 / 2)  # less than a 4-token trace of each of the other 5
+    assert len(traces) == 1 and said == ["calibration budget (100 s): traced 1 of 6 prompts"]
 
 
 @pytest.mark.parametrize("slow", [(1,), (2,), (3,), (1, 2), (1, 3), (2, 3)], ids=str)
