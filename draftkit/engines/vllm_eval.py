@@ -173,8 +173,7 @@ def engine_eval(target, head_dir: str | Path, prompts: list[list[int]], s: Engin
     work = Path(s.work_dir or tempfile.mkdtemp(prefix="draftkit-engine-eval-"))
     export, contract, notes = prepare_export(Path(head_dir), target, work)
     window = window_note(target, contract["family"], max(map(len, prompts), default=0) + s.max_new_tokens)
-    if window:
-        log.warning("vLLM: %s", window)
+    if window:  # the export logged the note; the report's copy adds whether this run crosses the window
         notes.append(window)
     refusal = cpu_serving_refusal(target, export)  # the benchmarks' path too, before vLLM starts
     if refusal:
