@@ -107,34 +107,36 @@ def test_calibration_budget_cuts_the_rounds_and_says_so(clocked):
 
 
 def test_a_small_budget_traces_every_prompt_for_fewer_tokens(clocked, monkeypatch):
-    """Six prompts, 24 new tokens each. A share that holds about three whole traces: all six are
-    traced (the first for 24 tokens, every later one for fewer, within the share), and the
-    warning names how many were cut and to what length. A share smaller than one trace of the
-    shortest length allowed: only the first is traced, and the warning says 1 of 6."""
+    """Six prompts, 24 new tokens each. A share that holds about half of six whole traces: all six
+    are traced, each for fewer tokens (the first by the rate the measured costs predict, the rest
+    by the rate seen), within the share, and the warning names how many were cut and to what
+    length. A share smaller than one trace of the shortest length allowed: only the first is
+    traced, for that length, and the warning says 1 of 6."""
     target, head, clock = clocked
     monkeypatch.setattr(cost, "MIN_TRACE_TOKENS", 4)
     prompts = LOOP_PROMPTS + [LOOP_PROMPTS[0] + [50], LOOP_PROMPTS[1][:3]]
     space = SearchSpace(topks=(2,), max_depth=2)
     axes, cands = space.axes(2), space.candidates(2)
     bar = SimpleNamespace(update=lambda n=1: None)
+    run = cost._Calibrating(target, head, prompts, prompts[0], DraftSettings(), axes, cands, 3, 0, 24, 100.0, bar)
+    costs = run.costs(SamplingParams(), 1e6)[0]
 
     def traced(share):
-        run = cost._Calibrating(target, head, prompts, prompts[0], DraftSettings(), axes, cands, 3, 0, 24, 100.0,
-                                bar)
         start = clock.now
-        traces, said = run.traces(SamplingParams(), share)
+        traces, said = run.traces(SamplingParams(), share, costs)
         return traces, said, clock.now - start
 
     whole, said, whole_s = traced(1e6)
     assert [len(tr.tokens) for tr in whole] == [24] * 6 and said == []
     traces, said, took = traced(whole_s / 2)
     lens = [len(tr.tokens) for tr in traces]
-    assert len(traces) == 6 and lens[0] == 24 and all(4 <= n < 24 for n in lens[1:]), lens
+    assert len(traces) == 6 and all(4 <= n < 24 for n in lens), lens
     assert took <= whole_s / 2 * 1.1, (took, whole_s)
-    assert said == [f"calibration budget (100 s): 5 prompts traced for {min(lens[1:])}-{max(lens[1:])} of 24 "
-                    "new tokens"]
+    assert said == [f"calibration budget (100 s): 6 prompts traced for {min(lens)}-{max(lens)} of 24 new tokens"]
     traces, said, _ = traced(whole_s / 6 * 4 / 24 / 2)  # less than a 4-token trace of each of the other 5
-    assert len(traces) == 1 and said == ["calibration budget (100 s): traced 1 of 6 prompts"]
+    assert [len(tr.tokens) for tr in traces] == [4]
+    assert said == ["calibration budget (100 s): traced 1 of 6 prompts",
+                    "calibration budget (100 s): 1 prompts traced for 4-4 of 24 new tokens"]
 
 
 @pytest.mark.parametrize("slow", [(1,), (2,), (3,), (1, 2), (1, 3), (2, 3)], ids=str)

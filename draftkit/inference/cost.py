@@ -729,7 +729,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
         share = (budget_s - (time.perf_counter() - t0)) / (len(temps) - ti)  # this temperature's seconds
         t_start, params = time.perf_counter(), SamplingParams(T, top_k, top_p)
         costs[T], said = run.costs(params, share)
-        traces[T], more = run.traces(params, share - (time.perf_counter() - t_start))
+        traces[T], more = run.traces(params, share - (time.perf_counter() - t_start), costs[T])
         warnings += [f"T={T:g}: {w}" for w in said + more + check_plain(traces[T], costs[T])]
     bar.close()
     busy = others()
@@ -787,31 +787,34 @@ class _Calibrating:
         self.bar.update(1)
         return c, said + check_costs(c, self.others() if self.others else None)
 
-    def traces(self, params: SamplingParams, share: float) -> tuple[list[Trace], list[str]]:
-        """The prompts traced at one temperature within `share` seconds, breadth before length:
-        the first prompt is traced for max_new_tokens; when the rest would not fit at that length,
-        each later prompt is traced for the new tokens its part of the remaining time holds (at
-        least MIN_TRACE_TOKENS; below that the rest are left out). Three prompts of 64 tokens
-        predicted tau 1.24 where 12 other prompts measured 1.57 (an AVX2 CPU, fp32): which prompts
-        are traced matters more than how far."""
+    def traces(self, params: SamplingParams, share: float, costs: Costs) -> tuple[list[Trace], list[str]]:
+        """The prompts traced at one temperature within `share` seconds, breadth before length: each
+        prompt is traced for the new tokens its part of the remaining time holds at the rate seen so
+        far (before the first trace: trace_ms_per_token from `costs`), at most max_new_tokens and at
+        least MIN_TRACE_TOKENS; when not even that fits, the rest are left out (the first prompt is
+        always traced). Three prompts of 64 tokens predicted tau 1.24 where 12 other prompts
+        measured 1.57 (an AVX2 CPU, fp32): which prompts are traced matters more than how far."""
         t_start, traces, traced_s, traced_tokens = time.perf_counter(), [], 0.0, 0
         lens = tuple(sorted(set(self.axes["lookup_lens"]) - {0}))
-        said: list[str] = []
+        reach = max(64, max(c.budget for c in self.cands))
+        first_rate = 1e-3 * trace_ms_per_token(costs, self.axes["topks"], self.axes["depth"],
+                                               None if params.greedy else reach + max(lens, default=0) + 1)
+        floor, said = min(MIN_TRACE_TOKENS, self.max_new_tokens), []
         for i, p in enumerate(self.prompts):
-            n = self.max_new_tokens
-            if traces:
-                left = share - (time.perf_counter() - t_start)
-                n = min(n, int(left / (len(self.prompts) - i) / (traced_s / max(traced_tokens, 1))))
-                if n < min(MIN_TRACE_TOKENS, self.max_new_tokens):
+            rate = traced_s / traced_tokens if traces else first_rate
+            left = share - (time.perf_counter() - t_start)
+            n = min(self.max_new_tokens, int(left / (len(self.prompts) - i) / max(rate, 1e-9)))
+            if n < floor:
+                if traces:
                     self.bar.update(len(self.prompts) - i)
                     said.append(f"calibration budget ({self.budget_s:.0f} s): traced {len(traces)} of "
                                 f"{len(self.prompts)} prompts")
                     break
+                n = floor
             t_trace = time.perf_counter()
             traces.append(trace_prompt(self.target, self.head, p, n, params, self.seed + i,
                                        self.axes["topks"], self.axes["depth"], lookup_lens=lens,
-                                       lookup_ngram=self.base.lookup_ngram,
-                                       reach_budget=max(64, max(c.budget for c in self.cands))))
+                                       lookup_ngram=self.base.lookup_ngram, reach_budget=reach))
             traces[-1].category = self.categories[i] if self.categories is not None else None
             traced_s += time.perf_counter() - t_trace
             traced_tokens += len(traces[-1].tokens)
@@ -821,6 +824,14 @@ class _Calibrating:
             said.append(f"calibration budget ({self.budget_s:.0f} s): {len(cut)} prompts traced for "
                         f"{min(cut)}-{max(cut)} of {self.max_new_tokens} new tokens")
         return traces, said
+
+
+def trace_ms_per_token(costs: Costs, topks, depth: int, union_width: int | None) -> float:
+    """What trace_prompt spends per new token, from the measured costs (before any trace has run):
+    a plain step, each topk's pool of `depth`, and at T > 0 (union_width not None) the verify of
+    the union of every candidate's nodes at each position."""
+    ms = costs.plain_step_ms + sum(costs.draft_ms.get((k, depth), 0.0) for k in topks)
+    return ms + (costs.verify(union_width) if union_width is not None else 0.0)
 
 
 def _context(prompts: list[list[int]], max_new_tokens: int) -> list[int]:
