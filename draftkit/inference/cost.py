@@ -791,8 +791,8 @@ class _Calibrating:
         """The prompts traced at one temperature within `share` seconds, breadth before length: each
         prompt is traced for the new tokens its part of the remaining time holds at the rate seen so
         far (before the first trace: trace_ms_per_token from `costs`), at most max_new_tokens and at
-        least MIN_TRACE_TOKENS; when not even that fits, the rest are left out (the first prompt is
-        always traced). Three prompts of 64 tokens predicted tau 1.24 where 12 other prompts
+        least MIN_TRACE_TOKENS; when the rest do not all fit at that length, as many as fit are traced
+        at it and the others left out (the first prompt is always traced). Three prompts of 64 tokens predicted tau 1.24 where 12 other prompts
         measured 1.57 (an AVX2 CPU, fp32): which prompts are traced matters more than how far."""
         t_start, traces, traced_s, traced_tokens = time.perf_counter(), [], 0.0, 0
         lens = tuple(sorted(set(self.axes["lookup_lens"]) - {0}))
@@ -804,8 +804,8 @@ class _Calibrating:
             rate = traced_s / traced_tokens if traces else first_rate
             left = share - (time.perf_counter() - t_start)
             n = min(self.max_new_tokens, int(left / (len(self.prompts) - i) / max(rate, 1e-9)))
-            if n < floor:
-                if traces:
+            if n < floor:  # the rest do not all fit: as many as fit, each at the shortest length
+                if traces and left < floor * rate:
                     self.bar.update(len(self.prompts) - i)
                     said.append(f"calibration budget ({self.budget_s:.0f} s): traced {len(traces)} of "
                                 f"{len(self.prompts)} prompts")
