@@ -792,8 +792,9 @@ class _Calibrating:
         prompt is traced for the new tokens its part of the remaining time holds at the rate seen so
         far (before the first trace: trace_ms_per_token from `costs`), at most max_new_tokens and at
         least MIN_TRACE_TOKENS; when the rest do not all fit at that length, as many as fit are traced
-        at it and the others left out (the first prompt is always traced). Three prompts of 64 tokens predicted tau 1.24 where 12 other prompts
-        measured 1.57 (an AVX2 CPU, fp32): which prompts are traced matters more than how far."""
+        at it and the others left out (the first prompt is always traced). Three prompts of 64 tokens
+        predicted tau 1.24 where 12 other prompts measured 1.57 (an AVX2 CPU, fp32): which prompts are
+        traced matters more than how far."""
         t_start, traces, traced_s, traced_tokens = time.perf_counter(), [], 0.0, 0
         lens = tuple(sorted(set(self.axes["lookup_lens"]) - {0}))
         reach = max(64, max(c.budget for c in self.cands))
