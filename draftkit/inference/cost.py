@@ -700,7 +700,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
                progress: bool = False, pays: float = PAYS, space: SearchSpace | None = None,
                categories: list[str] | None = None) -> tuple[DraftSettings, Calibration]:
     """Measure, trace, simulate, choose (module doc), within about budget_s seconds: fewer cost
-    rounds and fewer prompts when the first ones show the whole would not fit. `space`: the fields
+    rounds, shorter traces, then fewer prompts when the whole would not fit (_Calibrating). `space`: the fields
     the user fixed (SearchSpace; default: nothing fixed over topks and max_depth): only its
     candidates are traced, measured and ranked, and plain decoding is chosen only where nothing was
     fixed. `categories`: each prompt's category (aligned with prompts): with two or more, the best
