@@ -11,8 +11,8 @@ an exact binary fraction and a round can be made slow on purpose.
    speculative loop: the loop's own parts (ancestor mask, walk, commit) are charged and do not
    appear in it.
 4. Breadth before length: when the traces' share of the budget cannot hold every prompt at
-   max_new_tokens, every prompt is still traced, the later ones for fewer tokens, and the
-   warnings say so; only below the shortest trace allowed are prompts left out.
+   max_new_tokens, every prompt is still traced for fewer tokens, and the warnings say so; when
+   not all fit at the shortest length allowed, as many as fit are traced at it.
 5. Per category: with prompts of several categories the best shape of each category's traces
    alone is reported beside the global choice (plain decoding where none pays there).
 """
@@ -111,7 +111,8 @@ def test_a_small_budget_traces_every_prompt_for_fewer_tokens(clocked, monkeypatc
     are traced, each for fewer tokens (the first by the rate the measured costs predict, the rest
     by the rate seen), within the share, and the warning names how many were cut and to what
     length. A share of about three traces of the shortest length allowed: as many as fit are traced
-    at that length (not one, then nothing). Smaller than one: only the first, and the warning says 1 of 6."""
+    at that length (not one, then nothing). Smaller than one: only the first, and the warning says
+    1 of 6."""
     target, head, clock = clocked
     monkeypatch.setattr(cost, "MIN_TRACE_TOKENS", 4)
     prompts = LOOP_PROMPTS + [LOOP_PROMPTS[0] + [50], LOOP_PROMPTS[1][:3]]
