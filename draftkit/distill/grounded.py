@@ -183,8 +183,7 @@ def excerpt_cut(answer: Conversation) -> bool:
     """Whether back_translate's excerpt of `answer` runs into where it was cut at max_new_tokens: a cut
     answer's opening sentences are whole text when the excerpt ends before the answer does (in the
     eagle-mix smoke run 36 of 76 answers were cut at 192 tokens, most of them long past 300 characters)."""
-    text = answer.response.strip()
-    return answer.truncated and len(excerpt(text)) == len(text)
+    return answer.truncated and len(excerpt(answer.response)) == len(answer.response.strip())
 
 
 def german_chars(first: Prompt) -> int:
@@ -195,7 +194,7 @@ def german_chars(first: Prompt) -> int:
 
 def _first_pass(passages: list[Conversation], group: tuple[int, ...]) -> Prompt:
     """back_translate's first pass over passages[group]: the translate task into German, as _draw writes it."""
-    texts = tuple(excerpt(passages[p].response.strip()) for p in group)
+    texts = tuple(excerpt(passages[p].response) for p in group)  # excerpt strips
     return _task_prompt("back_translate-first", texts,
                         GROUNDED_TASKS["translate"].format(passage="\n\n".join(texts), language=BACK_FROM))
 
