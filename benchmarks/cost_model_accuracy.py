@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         for c in shapes:
             p, m = pred[c], got[c]
             err = p["speedup"] / m["speedup"] - 1
-            o = predict(own, cal.costs[T], c) if own else None
+            o = predict(own, cal.costs[T], c, args.max_new_tokens) if own else None
             run["shapes"].append({"shape": c.label(), "chosen": c == cal.choice, "predicted_speedup": p["speedup"],
                                   "measured_speedup": m["speedup"], "error": err, "predicted_tau": p["tau"],
                                   "measured_tau": m["tau"], "within_10pct": abs(err) <= 0.10,

@@ -244,6 +244,26 @@ def test_best_shape_per_category_beside_the_global_choice():
     assert one == {}  # one category: the global choice is the whole story
 
 
+def test_a_cut_trace_predicts_the_run_the_user_asked_for(monkeypatch):
+    """A trace cut short by the budget (15 new tokens) predicts, for a run of 65, the speedup and
+    tau of the whole 65-token trace: its steps stand for the run's tokens at its own rate, so the
+    prefill weighs what it will weigh in the run. auto_draft ranks for its max_new_tokens."""
+    whole, cut = fake_trace("x", True, False, n=66), fake_trace("x", True, False, n=16)  # lookup: 5 tokens a step
+    for cand in (LOOKUP, HYBRID, TREE):
+        full = predict([whole], FAKE_COSTS, cand)
+        assert predict([cut], FAKE_COSTS, cand, new_tokens=66) == pytest.approx(full, rel=1e-12)
+        assert predict([whole], FAKE_COSTS, cand, new_tokens=66) == pytest.approx(full, rel=1e-12)
+    assert predict([cut], FAKE_COSTS, LOOKUP)["speedup"] < 0.95 * predict([whole], FAKE_COSTS, LOOKUP)["speedup"]
+    seen = []
+    real = cost.choose
+    monkeypatch.setattr(cost, "choose", lambda *a: seen.append(a[-1]) or real(*a))
+    target = make_tiny_target()
+    torch.manual_seed(0)
+    head = build_head({"type": "eagle"}, target).eval()
+    auto_draft(target, head, [LOOP_PROMPTS[1]], max_new_tokens=9, topks=(1,), max_depth=1, budget_s=30.0, rounds=1)
+    assert seen and set(seen) == {9}
+
+
 def test_calibrate_passes_each_prompts_category(monkeypatch):
     """calibrate() hands auto_draft each picked prompt's category, aligned with its ids (prompts
     without one are the uncategorized "all")."""

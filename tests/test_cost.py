@@ -317,7 +317,7 @@ def test_calibration_searches_only_the_fields_the_user_left_unset(chat_dirs, tmp
 
     seen, cals = [], []
     real_predict, real_auto = cost.predict, calibrate_module.auto_draft
-    monkeypatch.setattr(cost, "predict", lambda tr, co, c: seen.append(c) or real_predict(tr, co, c))
+    monkeypatch.setattr(cost, "predict", lambda tr, co, c, n=None: seen.append(c) or real_predict(tr, co, c, n))
     monkeypatch.setattr(calibrate_module, "auto_draft",
                         lambda *a, **k: (lambda out: cals.append(out[1]) or out)(real_auto(*a, **k)))
     assert eval_cli(chat_dirs, tmp_path, "--draft", "calibrate", *flags) == 0

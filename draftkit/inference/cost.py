@@ -31,7 +31,8 @@ the sampled walk's noise rows. Plain decoding's step is timed with plain_generat
 measured in several interleaved rounds and the minimum kept (load from other processes only ever
 adds time: inference/timing.py, which the decode-stage dtype choice times with too); the profile is checked for consistency and `warnings` says where it is not.
 
-The pick maximises the predicted speedup (mean over the requested temperatures); where no shape's
+The pick maximises the predicted speedup for runs of max_new_tokens new tokens (predict: a trace cut
+short stands for the whole run at its own rate) (mean over the requested temperatures); where no shape's
 prediction exceeds PAYS the choice is plain decoding. When the prompts carry two or more categories,
 the same pick is made on each category's traces alone (choose_per_category) and reported beside the
 global one (which it does not change): plain decoding where nothing pays in that category.
@@ -378,20 +379,26 @@ class Costs:
         return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + over + noise
 
 
-def predict(traces: list[Trace], costs: Costs, c: Candidate) -> dict:
+def predict(traces: list[Trace], costs: Costs, c: Candidate, new_tokens: int | None = None) -> dict:
     """c's predicted tau, ms per step and speedup over plain decoding on the traces' prompts
-    (prefill included on both sides, as eval's tokens/s are)."""
-    spec_ms = plain_ms = steps_total = tokens = 0.0
+    (prefill included on both sides, as eval's tokens/s are), for runs of `new_tokens` new tokens
+    per prompt: each trace's steps stand for that many tokens at the trace's own rate (None: each
+    trace's own length). A trace the calibration budget cut to 16 of 64 tokens would otherwise
+    weigh its prefill four times as much as the run does and pull every prediction towards 1x
+    (an AVX2 CPU at T = 1: a tree predicted 0.74x ran at 0.61x)."""
+    spec_ms = plain_ms = steps_total = tokens = decode_ms = 0.0
     for tr in traces:
         steps = simulate(tr, c)
         n_steps = sum(v for v, *_ in steps)
-        spec_ms += tr.prefill_ms + (tr.head_prefill_ms if c.topk else 0.0) + sum(v * costs.step(c, w, h)
-                                                                                 for v, _, w, h in steps)
-        plain_ms += tr.prefill_ms + (len(tr.tokens) - 1) * costs.plain_step_ms
+        scale = (new_tokens - 1) / (len(tr.tokens) - 1) if new_tokens and len(tr.tokens) > 1 else 1.0
+        decode = sum(v * costs.step(c, w, h) for v, _, w, h in steps)
+        spec_ms += tr.prefill_ms + (tr.head_prefill_ms if c.topk else 0.0) + scale * decode
+        plain_ms += tr.prefill_ms + scale * (len(tr.tokens) - 1) * costs.plain_step_ms
         steps_total += n_steps
         tokens += len(tr.tokens) - 1
+        decode_ms += decode
     return {"tau": tokens / steps_total if steps_total else 1.0,
-            "ms_per_step": (spec_ms - sum(tr.prefill_ms for tr in traces)) / max(steps_total, 1e-9),
+            "ms_per_step": decode_ms / max(steps_total, 1e-9),
             "speedup": plain_ms / spec_ms if spec_ms else 0.0}
 
 
@@ -473,12 +480,13 @@ def _words(fixed: dict) -> str:
 
 
 def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs], cands: list[Candidate],
-           pays: float = PAYS) -> tuple[Candidate | None, list[dict]]:
-    """Rank the candidates by predicted speedup (mean over temperatures); None = plain decoding
-    (no candidate is predicted faster than `pays` x plain). Returns (choice, ranked rows)."""
+           pays: float = PAYS, new_tokens: int | None = None) -> tuple[Candidate | None, list[dict]]:
+    """Rank the candidates by predicted speedup (mean over temperatures) for runs of `new_tokens`
+    (predict); None = plain decoding (no candidate is predicted faster than `pays` x plain).
+    Returns (choice, ranked rows)."""
     rows = []
     for c in cands:
-        per_t = {t: predict(traces_by_t[t], costs_by_t[t], c) for t in traces_by_t}
+        per_t = {t: predict(traces_by_t[t], costs_by_t[t], c, new_tokens) for t in traces_by_t}
         mean = sum(p["speedup"] for p in per_t.values()) / len(per_t)
         rows.append({"candidate": c, "label": c.label(), "speedup": mean,
                      "by_temperature": {f"{t:g}": {key: round(v, 4) for key, v in p.items()} for t, p in per_t.items()}})
@@ -487,8 +495,8 @@ def choose(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs]
 
 
 def choose_per_category(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[float, Costs],
-                        cands: list[Candidate], pays: float = PAYS) -> dict[str, dict]:
-    """choose() on each prompt category's traces alone (the same costs, candidates and floor):
+                        cands: list[Candidate], pays: float = PAYS, new_tokens: int | None = None) -> dict[str, dict]:
+    """choose() on each prompt category's traces alone (the same costs, candidates, floor and length):
     {category: {"prompts", "choice" (the Candidate's fields, None = plain decoding), "shape" (its
     label or "plain decoding"), "speedup" (the choice's mean prediction, 1.0 for plain), "best",
     "best_speedup" (the ranking's first row, chosen or not), "by_temperature"}}, categories sorted;
@@ -501,7 +509,7 @@ def choose_per_category(traces_by_t: dict[float, list[Trace]], costs_by_t: dict[
     for cat in cats:
         sub = {t: [tr for tr in trs if tr.category == cat] for t, trs in traces_by_t.items()}
         sub = {t: trs for t, trs in sub.items() if trs}
-        choice, rows = choose(sub, {t: costs_by_t[t] for t in sub}, cands, pays)
+        choice, rows = choose(sub, {t: costs_by_t[t] for t in sub}, cands, pays, new_tokens)
         best = rows[0] if rows else None
         out[cat] = {"prompts": max(len(trs) for trs in sub.values()),
                     "choice": None if choice is None else asdict(choice),
@@ -737,9 +745,9 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
         warnings.append(f"other processes used {busy:.2f} cores of this machine while calibrating: the costs "
                         "include them; the choice may be wrong")
     floor = pays if space.any_mode else -math.inf
-    choice, rows = choose(traces, costs, cands, floor)
+    choice, rows = choose(traces, costs, cands, floor, max_new_tokens)
     cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0,
-                      choose_per_category(traces, costs, cands, floor))
+                      choose_per_category(traces, costs, cands, floor, max_new_tokens))
     chosen = _settings(base, cal, target, space, pays)
     return replace(chosen, depth=min(chosen.depth, axes["depth"])), cal  # the sizes eval's other methods run too
 
