@@ -247,7 +247,8 @@ def test_best_shape_per_category_beside_the_global_choice():
 def test_a_cut_trace_predicts_the_run_the_user_asked_for(monkeypatch):
     """A trace cut short by the budget (15 new tokens) predicts, for a run of 65, the speedup and
     tau of the whole 65-token trace: its steps stand for the run's tokens at its own rate, so the
-    prefill weighs what it will weigh in the run. auto_draft ranks for its max_new_tokens."""
+    prefill weighs what it will weigh in the run. auto_draft ranks for its run_tokens (default:
+    max_new_tokens, the traces' longest)."""
     whole, cut = fake_trace("x", True, False, n=66), fake_trace("x", True, False, n=16)  # lookup: 5 tokens a step
     for cand in (LOOKUP, HYBRID, TREE):
         full = predict([whole], FAKE_COSTS, cand)
@@ -262,21 +263,28 @@ def test_a_cut_trace_predicts_the_run_the_user_asked_for(monkeypatch):
     head = build_head({"type": "eagle"}, target).eval()
     auto_draft(target, head, [LOOP_PROMPTS[1]], max_new_tokens=9, topks=(1,), max_depth=1, budget_s=30.0, rounds=1)
     assert seen and set(seen) == {9}
+    seen.clear()
+    _, cal = auto_draft(target, head, [LOOP_PROMPTS[1]], max_new_tokens=9, topks=(1,), max_depth=1, budget_s=30.0,
+                        rounds=1, run_tokens=40)
+    assert seen and set(seen) == {40} and max(len(tr.tokens) for tr in cal.traces[0.0]) <= 9
 
 
 def test_calibrate_passes_each_prompts_category(monkeypatch):
     """calibrate() hands auto_draft each picked prompt's category, aligned with its ids (prompts
-    without one are the uncategorized "all")."""
+    without one are the uncategorized "all"), and eval's max_new_tokens as the length of the runs
+    predicted (the traces stay at most MAX_CALIBRATION_TOKENS)."""
     from draftkit.inference import calibrate as calibrate_module
     from draftkit.inference.evaluate import EvalPrompt, EvalSettings
 
     seen = {}
 
     def fake_auto(target, head, prompts, base, **kw):
-        seen.update(prompts=prompts, categories=kw["categories"])
+        seen.update(prompts=prompts, categories=kw["categories"], tokens=(kw["max_new_tokens"], kw["run_tokens"]))
         return DraftSettings(mode="plain", chosen_by="measured: fake"), None
     monkeypatch.setattr(calibrate_module, "auto_draft", fake_auto)
     prompts = [EvalPrompt(None, "a", "p0", [5, 6, 7]), EvalPrompt(None, "a", "p1", [8, 9]),
                EvalPrompt(None, "b", "p2", [10, 11]), EvalPrompt(None, None, "p3", [12, 13, 14])]
     calibrate_module.calibrate(make_tiny_target(), None, prompts, EvalSettings(max_new_tokens=8), n=3, progress=False)
     assert list(zip(seen["prompts"], seen["categories"])) == [([5, 6, 7], "a"), ([10, 11], "b"), ([12, 13, 14], "all")]
+    calibrate_module.calibrate(make_tiny_target(), None, prompts, EvalSettings(max_new_tokens=300), n=3, progress=False)
+    assert seen["tokens"] == (calibrate_module.MAX_CALIBRATION_TOKENS, 300)  # traced short, predicted for the run

@@ -706,13 +706,15 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
                temperatures=(0.0,), top_k: int = 0, top_p: float = 1.0, topks=(1, 2, 4, 8), max_depth: int = 6,
                max_new_tokens: int = 48, budget_s: float | None = None, rounds: int = 5, seed: int = 0,
                progress: bool = False, pays: float = PAYS, space: SearchSpace | None = None,
-               categories: list[str] | None = None) -> tuple[DraftSettings, Calibration]:
+               categories: list[str] | None = None, run_tokens: int | None = None) -> tuple[DraftSettings, Calibration]:
     """Measure, trace, simulate, choose (module doc), within about budget_s seconds: fewer cost
     rounds, shorter traces, then fewer prompts when the whole would not fit (_Calibrating). `space`: the fields
     the user fixed (SearchSpace; default: nothing fixed over topks and max_depth): only its
     candidates are traced, measured and ranked, and plain decoding is chosen only where nothing was
     fixed. `categories`: each prompt's category (aligned with prompts): with two or more, the best
-    shape per category is chosen too (choose_per_category; measured["per_category"]). Returns the
+    shape per category is chosen too (choose_per_category; measured["per_category"]). Traces are at
+    most max_new_tokens long; the prediction is for runs of `run_tokens` new tokens per prompt
+    (default max_new_tokens: predict). Returns the
     chosen DraftSettings (mode "plain" when nothing pays; chosen_by / measured filled) and the
     Calibration."""
     from tqdm.auto import tqdm
@@ -745,9 +747,10 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
         warnings.append(f"other processes used {busy:.2f} cores of this machine while calibrating: the costs "
                         "include them; the choice may be wrong")
     floor = pays if space.any_mode else -math.inf
-    choice, rows = choose(traces, costs, cands, floor, max_new_tokens)
+    run_tokens = run_tokens or max_new_tokens
+    choice, rows = choose(traces, costs, cands, floor, run_tokens)
     cal = Calibration(traces, costs, rows, choice, warnings, time.perf_counter() - t0,
-                      choose_per_category(traces, costs, cands, floor, max_new_tokens))
+                      choose_per_category(traces, costs, cands, floor, run_tokens))
     chosen = _settings(base, cal, target, space, pays)
     return replace(chosen, depth=min(chosen.depth, axes["depth"])), cal  # the sizes eval's other methods run too
 
