@@ -73,7 +73,8 @@ def calibrate(target, head, prompts: list[EvalPrompt], settings: EvalSettings, n
         chosen, cal = auto_draft(target, head, calib, settings.draft, categories=[it["category"] for it in picked],
                                temperatures=settings.temperatures, top_k=settings.top_k, top_p=settings.top_p,
                                max_new_tokens=min(MAX_CALIBRATION_TOKENS, settings.max_new_tokens),
-                               run_tokens=settings.max_new_tokens, budget_s=budget_s, seed=settings.seed, progress=progress, space=space)
+                               run_tokens=settings.max_new_tokens, budget_s=budget_s, seed=settings.seed,
+                               progress=progress, space=space)
     except HeadError as e:
         raise SpecError(f"calibration: {e}") from e
     print(format_choice(chosen), file=sys.stderr, flush=True)

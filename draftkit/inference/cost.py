@@ -31,8 +31,9 @@ the sampled walk's noise rows. Plain decoding's step is timed with plain_generat
 measured in several interleaved rounds and the minimum kept (load from other processes only ever
 adds time: inference/timing.py, which the decode-stage dtype choice times with too); the profile is checked for consistency and `warnings` says where it is not.
 
-The pick maximises the predicted speedup for runs of max_new_tokens new tokens (predict: a trace cut
-short stands for the whole run at its own rate) (mean over the requested temperatures); where no shape's
+The pick maximises the predicted speedup (mean over the requested temperatures) for runs of
+auto_draft's run_tokens new tokens, a trace cut short standing for the whole run at its own rate
+(predict); where no shape's
 prediction exceeds PAYS the choice is plain decoding. When the prompts carry two or more categories,
 the same pick is made on each category's traces alone (choose_per_category) and reported beside the
 global one (which it does not change): plain decoding where nothing pays in that category.
@@ -384,8 +385,7 @@ def predict(traces: list[Trace], costs: Costs, c: Candidate, new_tokens: int | N
     (prefill included on both sides, as eval's tokens/s are), for runs of `new_tokens` new tokens
     per prompt: each trace's steps stand for that many tokens at the trace's own rate (None: each
     trace's own length). A trace the calibration budget cut to 16 of 64 tokens would otherwise
-    weigh its prefill four times as much as the run does and pull every prediction towards 1x
-    (an AVX2 CPU at T = 1: a tree predicted 0.74x ran at 0.61x)."""
+    weigh its prefill four times as much as the run does and pull every prediction towards 1x."""
     spec_ms = plain_ms = steps_total = tokens = decode_ms = 0.0
     for tr in traces:
         steps = simulate(tr, c)
