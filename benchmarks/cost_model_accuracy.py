@@ -149,7 +149,7 @@ def predicted_parts(traces, costs, c: Candidate) -> dict:
             "draft": draft, "lookup": costs.lookup_ms if c.lookup_len else 0.0,
             "overhead": costs.overhead_ms if c.topk or costs.lookup_overhead_ms is None else costs.lookup_overhead_ms,
             "noise": noise, "step": sum(v * costs.step(c, w, h) for v, _, w, h in steps) / n,
-            "plain_step_model": costs.plain_step_ms, "plain_step_in_traces": plain_run,
+            "plain_step_model": costs.plain_step(), "plain_step_min": costs.plain_step_ms, "plain_step_in_traces": plain_run,
             "tau_position_average": _position_average_tau(traces, c)}
 
 

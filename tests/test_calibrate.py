@@ -141,6 +141,29 @@ def test_a_small_budget_traces_every_prompt_for_fewer_tokens(clocked, monkeypatc
                     f"calibration budget (100 s): {n} prompts traced for 4-4 of 24 new tokens"]
     traces, said, _ = traced(whole_s / 6 * 4 / 24 / 2)  # less than one 4-token trace
     assert [len(tr.tokens) for tr in traces] == [4] and said[0] == "calibration budget (100 s): traced 1 of 6 prompts"
+    # The default budget (the user set none: not bounded) leaves no prompt out: all six at the shortest
+    # length, however long that takes, and the warnings say how far over the share it went.
+    run.bounded = False
+    traces, said, took = traced(whole_s / 6 * 4 / 24 / 2)
+    assert [len(tr.tokens) for tr in traces] == [4] * 6
+    assert said[0] == (f"calibration: tracing every prompt for at least 4 new tokens took {took:.0f} s, "
+                       f"{took - whole_s / 6 * 4 / 24 / 2:.0f} s over this temperature's share of the default budget "
+                       "(100 s); --calibration-budget bounds it, with fewer prompts")
+
+
+def test_only_a_budget_the_user_set_leaves_prompts_out(clocked, monkeypatch):
+    """auto_draft bounds the traces (leaves prompts out) only when budget_s was given."""
+    target, head, _ = clocked
+    seen = []
+    real = cost._Calibrating.traces
+
+    def spy(self, *a, **kw):
+        seen.append(self.bounded)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(cost._Calibrating, "traces", spy)
+    for budget in (None, 1e6):
+        auto_draft(target, head, [LOOP_PROMPTS[1]], max_new_tokens=6, topks=(1,), max_depth=1, budget_s=budget, rounds=1)
+    assert seen == [False, True]
 
 
 @pytest.mark.parametrize("slow", [(1,), (2,), (3,), (1, 2), (1, 3), (2, 3)], ids=str)

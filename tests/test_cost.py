@@ -17,7 +17,7 @@ import torch
 
 from draftkit.heads import build_head
 from draftkit.inference.cost import (Candidate, Costs, accept_law, auto_draft, candidates, check_costs, choose,
-                                     format_choice, measure_costs, position_step, simulate, step_visits,
+                                     format_choice, measure_costs, position_step, predict, simulate, step_visits,
                                      trace_prompt)
 from draftkit.inference.decoder import SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
@@ -115,8 +115,10 @@ def test_sampled_steps_follow_the_renewal_not_a_position_average():
 def test_sampled_tau_predicts_real_runs(fitted):
     """T > 0 (0.3, so drafts are accepted on the tiny target): the tokens per step the traces
     predict (the renewal over each sampled trajectory) are those of real runs at other seeds, for
-    a hybrid, a tree and a chain; the plain position average (the old model) misses them by more
-    than twice as much."""
+    a hybrid, a tree and a chain; the plain position average (the old model) misses them by more.
+    (Only "more": the real runs' sampling error is 2-3% here, the average's bias 4-10% by head, so
+    "twice as much" failed on an AMX CPU's fitted head, 4.0% vs 2.6%; the exact contrast is
+    test_sampled_steps_follow_the_renewal_not_a_position_average.)"""
     target, head, _ = fitted
     params, seeds = SamplingParams(0.3), range(5)
     traces = [trace_prompt(target, head, p, NEW, params, s, TOPKS, DEPTH, stop_ids=[]) for s in seeds for p in PROMPTS]
@@ -131,7 +133,7 @@ def test_sampled_tau_predicts_real_runs(fitted):
         average = sum(per) / len(per)
         assert real > 1.1, c  # drafts are accepted: the weighting matters
         assert abs(renewal / real - 1) < 0.08, (c, real, renewal)
-        assert abs(average / real - 1) > 2 * abs(renewal / real - 1), (c, real, renewal, average)
+        assert abs(average / real - 1) > abs(renewal / real - 1), (c, real, renewal, average)
 
 
 def test_sampled_laws_are_the_tree_walks():
@@ -237,6 +239,43 @@ def test_calibrated_verify_is_what_the_loops_verify_step_costs(fitted, monkeypat
     costs = measure_costs(target, head, PROMPTS[-1], (2,), 1, SamplingParams(), rounds=1, widths=tuple(widths))
     assert [(w, ms) for w, ms, _ in steps] == [(w, costs.verify(w)) for w, _, _ in steps]
     assert costs.verify(widths[0]) == 1e3 * unit * (1 + widths[0] + 3 + 5 + 7)
+
+
+def test_plain_decoding_is_priced_as_a_real_plain_run_pays_it(fitted, monkeypatch):
+    """The loop's steps are priced at their parts' minima plus the median residual of a real loop run
+    (overhead_ms); plain decoding's step must be priced the same way, or the machine's spread lands on
+    one side only (every shape 7-18% pessimistic on a noisy VM). On a clock where two of every three
+    target forwards are slowed by 8 units, the minimum-based plain_step_ms is below what a real plain
+    run pays per step; the calibrated plain_step() is the median step of a real plain run, and
+    predict prices plain decoding at it."""
+    import time
+
+    from draftkit.inference import cost
+
+    target, head, _ = fitted
+    now, unit, calls = [0.0], 2.0 ** -10, [0]
+    forward = target.decoder
+
+    def noisy(*a, input_ids, **kw):
+        out = forward(*a, input_ids=input_ids, **kw)
+        calls[0] += 1
+        now[0] += unit * (1 + input_ids.shape[1] + (8 if calls[0] % 3 else 0))
+        return out
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(target, "decoder", noisy)
+    _, cal = auto_draft(target, head, PROMPTS[:2], topks=(2,), max_depth=2, max_new_tokens=12, rounds=1)
+    c = cal.costs[0.0]
+    seen = []
+    plain_generate(target, [cost._context(PROMPTS[:2], 12)], 33, stop_ids=[], on_step=lambda: seen.append(now[0]))
+    gaps = sorted(1e3 * (b - a) for a, b in zip(seen, seen[1:]))
+    assert gaps[len(gaps) // 2] == 1e3 * unit * (1 + 1 + 8)  # a real run's median step: a slowed forward
+    assert c.plain_step() == 1e3 * unit * 10
+    assert c.plain_step_ms < c.plain_step()  # the minimum-based step alone would price plain too cheap
+    tr, lookup = cal.traces[0.0][0], Candidate(0, 0, 0, 4)
+    n = len(tr.tokens) - 1
+    plain = tr.prefill_ms + n * c.plain_step()
+    assert predict([tr], c, lookup)["speedup"] == pytest.approx(
+        plain / (tr.prefill_ms + n * predict([tr], c, lookup)["ms_per_step"] / predict([tr], c, lookup)["tau"]))
 
 
 def test_others_meter_counts_only_other_processes(monkeypatch):

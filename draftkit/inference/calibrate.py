@@ -11,7 +11,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from draftkit.inference.cost import Calibration, SearchSpace, auto_draft, format_choice
+from draftkit.inference.cost import MIN_TRACE_TOKENS, Calibration, SearchSpace, auto_draft, format_choice
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.evaluate import EvalPrompt, EvalSettings, _prepare
 
@@ -21,8 +21,9 @@ MAX_CALIBRATION_TOKENS = 64
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Calibration's flags on `draftkit eval` (cli_eval.py calls this)."""
     p.add_argument("--calibration-budget", type=float, default=None, metavar="SECONDS",
-                   help="auto/calibrate: seconds the measuring may take (default 120 on CPU, 60 on GPU): fewer "
-                        "measuring rounds and prompts when over")
+                   help="auto/calibrate: seconds the measuring may take: fewer measuring rounds, shorter traces and "
+                        "then fewer prompts when over (default 120 on CPU, 60 on GPU, where every prompt is still "
+                        f"traced for at least {MIN_TRACE_TOKENS} tokens, however long that takes)")
 
 
 def calibration_prompts(items: list[dict], n: int, skip: set | None = None) -> list[list[int]]:

@@ -26,8 +26,9 @@ Cost per step, from timings: the loop's own verify step of w tokens (SpecDecoder
 function the loop's verify timer spans: ancestor mask, forward on the loop's cache, walk, commit;
 timed greedy on a LoopState of the calibration context), the head's tree drafting per (topk,
 depth) (or only consuming the confirmed positions), the lookup's proposal and merge, the loop's own
-overhead (bookkeeping between the parts: the residual of a real run of the loop) and, at T > 0,
-the sampled walk's noise rows. Plain decoding's step is timed with plain_generate itself. Every cost is
+overhead (bookkeeping between the parts: the median residual of a real run of the loop) and, at
+T > 0, the sampled walk's noise rows. Plain decoding's step is timed with plain_generate itself and
+priced the same way: its minimum plus the median residual of a real plain run (Costs.plain_step). Every cost is
 measured in several interleaved rounds and the minimum kept (load from other processes only ever
 adds time: inference/timing.py, which the decode-stage dtype choice times with too); the profile is checked for consistency and `warnings` says where it is not.
 
@@ -54,7 +55,7 @@ from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
 from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators
-from draftkit.inference.timing import min_times, plain_runs, plain_step_ms
+from draftkit.inference.timing import min_times, plain_runs, plain_step_median_ms, plain_step_ms
 from draftkit.inference.tree import DraftTree, TreeShape, add_branches, tree_noise
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80)
@@ -360,6 +361,14 @@ class Costs:
     temperature: float = 0.0
     plain_run_ms: float = 0.0  # plain_generate of 1 + plain_tokens tokens (plain_step_ms is the difference)
     plain_tokens: int = 8
+    plain_overhead_ms: float = 0.0  # a real plain run's median step beyond plain_step_ms (plain_step)
+
+    def plain_step(self) -> float:
+        """ms a plain step is priced at against the loop's: its timed minimum plus the median residual
+        of a real plain run, as the loop's steps are their parts' minima plus the median residual of a
+        real loop run (overhead_ms). Priced at the minimum alone, plain decoding was cheaper than any
+        run of it on a noisy machine and every shape 7-18% pessimistic (an AVX2 VM, README)."""
+        return self.plain_step_ms + self.plain_overhead_ms
 
     def verify(self, width: int) -> float:
         """Linear interpolation in the measured widths (the last slope beyond them)."""
@@ -393,7 +402,7 @@ def predict(traces: list[Trace], costs: Costs, c: Candidate, new_tokens: int | N
         scale = (new_tokens - 1) / (len(tr.tokens) - 1) if new_tokens and len(tr.tokens) > 1 else 1.0
         decode = sum(v * costs.step(c, w, h) for v, _, w, h in steps)
         spec_ms += tr.prefill_ms + (tr.head_prefill_ms if c.topk else 0.0) + scale * decode
-        plain_ms += tr.prefill_ms + scale * (len(tr.tokens) - 1) * costs.plain_step_ms
+        plain_ms += tr.prefill_ms + scale * (len(tr.tokens) - 1) * costs.plain_step()
         steps_total += n_steps
         tokens += len(tr.tokens) - 1
         decode_ms += decode
@@ -708,7 +717,9 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
                progress: bool = False, pays: float = PAYS, space: SearchSpace | None = None,
                categories: list[str] | None = None, run_tokens: int | None = None) -> tuple[DraftSettings, Calibration]:
     """Measure, trace, simulate, choose (module doc), within about budget_s seconds: fewer cost
-    rounds, shorter traces, then fewer prompts when the whole would not fit (_Calibrating). `space`: the fields
+    rounds, shorter traces, then fewer prompts when the whole would not fit (_Calibrating). With
+    budget_s None (the default: 120 s on CPU, 60 on GPU) no prompt is left out: each is traced for at
+    least MIN_TRACE_TOKENS even where that takes longer, and the warnings say so. `space`: the fields
     the user fixed (SearchSpace; default: nothing fixed over topks and max_depth): only its
     candidates are traced, measured and ranked, and plain decoding is chosen only where nothing was
     fixed. `categories`: each prompt's category (aligned with prompts): with two or more, the best
@@ -726,6 +737,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     space = space or SearchSpace(topks=tuple(topks), max_depth=max_depth)
     cands = space.candidates(head_depth(head, INF))  # before measuring: an impossible space fails at once
     axes = space.axes(head_depth(head, INF))
+    bounded = budget_s is not None
     budget_s = budget_s or (120.0 if target.device.type == "cpu" else 60.0)
     temps = [float(t) for t in temperatures] or [0.0]
     t0, warnings, others = time.perf_counter(), [], others_meter()
@@ -734,7 +746,7 @@ def auto_draft(target, head, prompts: list[list[int]], base: DraftSettings | Non
     bar = tqdm(total=len(temps) * (rounds + 2 + len(prompts)), desc="draft auto: calibrating", unit="part",
                disable=not progress, dynamic_ncols=True)
     run = _Calibrating(target, head, prompts, _context(prompts, max_new_tokens), base, axes, cands, rounds, seed,
-                       max_new_tokens, budget_s, bar, categories, others)
+                       max_new_tokens, budget_s, bar, categories, others, bounded)
     for ti, T in enumerate(temps):
         share = (budget_s - (time.perf_counter() - t0)) / (len(temps) - ti)  # this temperature's seconds
         t_start, params = time.perf_counter(), SamplingParams(T, top_k, top_p)
@@ -774,6 +786,7 @@ class _Calibrating:
     bar: object
     categories: list | None = None
     others: object = None  # others_meter() of the calibration, or None
+    bounded: bool = True  # the user set the budget: prompts that do not fit are left out (traces)
 
     def costs(self, params: SamplingParams, share: float) -> tuple[Costs, list[str]]:
         """The costs at one temperature: interleaved rounds (at least 3, within a quarter of
@@ -795,6 +808,7 @@ class _Calibrating:
         if any(not x.topk for x in self.cands):
             lookup = Candidate(0, 0, 0, max(x.lookup_len for x in self.cands if not x.topk))
             c.lookup_overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, lookup, self.base.lookup_ngram)
+        c.plain_overhead_ms = plain_step_median_ms(self.target, self.ctx, 32, params) - c.plain_step_ms
         self.bar.update(1)
         return c, said + check_costs(c, self.others() if self.others else None)
 
@@ -803,9 +817,12 @@ class _Calibrating:
         prompt is traced for the new tokens its part of the remaining time holds at the rate seen so
         far (before the first trace: trace_ms_per_token from `costs`), at most max_new_tokens and at
         least MIN_TRACE_TOKENS; when the rest do not all fit at that length, as many as fit are traced
-        at it and the others left out (the first prompt is always traced). Three prompts of 64 tokens
-        predicted tau 1.24 where 12 other prompts measured 1.57 (an AVX2 CPU, fp32): which prompts are
-        traced matters more than how far."""
+        at it and the others left out (the first prompt is always traced) where the user set the budget
+        (bounded); under the default budget every prompt is traced at least that long, and the warnings
+        say how far over it went. Three prompts of 64 tokens predicted tau 1.24 where 12 other prompts
+        measured 1.57 (an AVX2 CPU, fp32), and at T = 1 three traced prompts over-predicted tau by
+        12-42% where all eight came within 2-11% (a slow AVX2 VM, 120 s vs 360 s): which prompts are
+        traced matters more than how far, and more than the default's seconds."""
         t_start, traces, traced_s, traced_tokens = time.perf_counter(), [], 0.0, 0
         lens = tuple(sorted(set(self.axes["lookup_lens"]) - {0}))
         reach = max(64, max(c.budget for c in self.cands))
@@ -817,7 +834,7 @@ class _Calibrating:
             left = share - (time.perf_counter() - t_start)
             n = min(self.max_new_tokens, int(left / (len(self.prompts) - i) / max(rate, 1e-9)))
             if n < floor:  # the rest do not all fit: as many as fit, each at the shortest length
-                if traces and left < floor * rate:
+                if traces and left < floor * rate and self.bounded:
                     self.bar.update(len(self.prompts) - i)
                     said.append(f"calibration budget ({self.budget_s:.0f} s): traced {len(traces)} of "
                                 f"{len(self.prompts)} prompts")
@@ -832,6 +849,11 @@ class _Calibrating:
             traced_tokens += len(traces[-1].tokens)
             self.bar.update(1)
         cut = [len(tr.tokens) for tr in traces if len(tr.tokens) < self.max_new_tokens]  # traces run without stops
+        took = time.perf_counter() - t_start
+        if not self.bounded and took > 1.05 * share:
+            said.append(f"calibration: tracing every prompt for at least {floor} new tokens took {took:.0f} s, "
+                        f"{took - share:.0f} s over this temperature's share of the default budget "
+                        f"({self.budget_s:.0f} s); --calibration-budget bounds it, with fewer prompts")
         if cut:
             said.append(f"calibration budget ({self.budget_s:.0f} s): {len(cut)} prompts traced for "
                         f"{min(cut)}-{max(cut)} of {self.max_new_tokens} new tokens")
@@ -884,12 +906,12 @@ def _settings(base: DraftSettings, cal: Calibration, target, space: SearchSpace,
     if cal.choice is None:
         chosen = replace(base, mode="plain")
         why = (f"measured: plain decoding, no shape is predicted faster than {PAYS:.2f}x plain on this machine "
-               f"(best {best['label']}: {best['speedup']:.2f}x; plain step {c.plain_step_ms:.1f} ms, "
+               f"(best {best['label']}: {best['speedup']:.2f}x; plain step {c.plain_step():.1f} ms, "
                f"{_cost_words(c, best['candidate'])})" if best else "measured: plain decoding (no candidate)")
     else:
         chosen = cal.choice.settings(base)
         pred = ", ".join(f"T={t}: tau {p['tau']:.2f}, {p['speedup']:.2f}x" for t, p in best["by_temperature"].items())
-        why = f"measured: predicted {pred} over plain ({c.plain_step_ms:.1f} ms/step, {_cost_words(c, cal.choice)})"
+        why = f"measured: predicted {pred} over plain ({c.plain_step():.1f} ms/step, {_cost_words(c, cal.choice)})"
     if not space.any_mode:
         why += (f"; searched only shapes with {_words(space.fixed)}" + (f" in mode {space.mode}" if space.mode else "")
                 + ("" if best["speedup"] > pays else f", none predicted faster than {pays:.2f}x plain: the best kept"))
@@ -925,6 +947,7 @@ def _costs_dict(c: Costs) -> dict:
     return {"verify_ms": {str(w): round(v, 3) for w, v in c.verify_ms.items()},
             "draft_ms": {f"{k}x{d}": round(v, 3) for (k, d), v in c.draft_ms.items()},
             "consume_ms": round(c.consume_ms, 3), "plain_step_ms": round(c.plain_step_ms, 3),
+            "plain_overhead_ms": round(c.plain_overhead_ms, 3),
             "overhead_ms": round(c.overhead_ms, 3), "lookup_ms": round(c.lookup_ms, 3),
             "lookup_overhead_ms": None if c.lookup_overhead_ms is None else round(c.lookup_overhead_ms, 3),
             "noise_ms_per_row": round(c.noise_ms_per_row, 4)}

@@ -390,12 +390,15 @@ def check_tree(head, shape: TreeShape) -> None:
 def plain_generate(target, prompts: list[list[int]], max_new_tokens: int = 128,
                    params: SamplingParams = SamplingParams(), seeds: list[int] | None = None,
                    stop_ids: list[int] | None = None, record_gaps: bool = False,
+                   on_step: Callable[[], object] | None = None,
                    ) -> tuple[list[list[int]], PlainStats, list[list[tuple[float, float]]] | None]:
     """Plain autoregressive decoding (one target forward per token), the baseline and the reference.
 
     With record_gaps, also returns for each emitted token (top-1 minus top-2 logit, top-1 logit) at
     that position: how close the choice was (informative; whether a divergence is rounding is
-    decided by stats.compare_greedy's teacher-forced criterion).
+    decided by stats.compare_greedy's teacher-forced criterion). on_step is called as each step
+    starts (after the prefill, then after each forward): the gaps between calls are the steps'
+    wall times (timing.plain_step_median_ms).
     """
     t_start = time.perf_counter()
     B, dev = len(prompts), target.device
@@ -410,6 +413,8 @@ def plain_generate(target, prompts: list[list[int]], max_new_tokens: int = 128,
     logits, _ = tc.forward(ids, valid, logits_from=ids.shape[1] - 1)
     tc.commit(valid)
     while True:
+        if on_step is not None:
+            on_step()
         stats.steps += 1
         tok, _ = sample(logits[:, -1])  # (B,)
         if gaps is not None:

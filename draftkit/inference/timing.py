@@ -5,7 +5,8 @@ ever adds time). Plain decoding's step is timed by plain decoding itself (plain_
 sampling and bookkeeping included, nothing of the speculative loop): its run of 1 + N tokens less
 its run of 1 token on the same context, each the minimum over the rounds, divided by N.
 Calibration (cost.measure_costs) and the decode-stage dtype choice (device.measure_decode) both
-time their plain step this way.
+time their plain step this way; calibration also takes the median step of a real plain run
+(plain_step_median_ms), the price it sets against the loop's steps.
 """
 from __future__ import annotations
 
@@ -55,6 +56,23 @@ def plain_runs(target, context: list[int], tokens: int, params: SamplingParams =
 def plain_step_ms(first_ms: float, run_ms: float, tokens: int) -> float:
     """ms of one plain decoding step from the timed runs of plain_runs (the prefill cancels)."""
     return (run_ms - first_ms) / tokens
+
+
+def plain_step_median_ms(target, context: list[int], tokens: int, params: SamplingParams = SamplingParams(),
+                         rounds: int = 2) -> float:
+    """ms of a plain decoding step as a real run pays it: the median over `rounds` runs of 1 + `tokens`
+    tokens on `context` (batch 1, seed 0) of the wall time between one step's start and the next's
+    (plain_generate's on_step). What the cost model sets against the speculative loop's steps, which
+    it prices at their parts' minima plus the median residual of a real run (cost.measure_loop): both
+    sides then carry the machine's spread alike, where plain_step_ms (a difference of minima) carries
+    none of it."""
+    gaps: list[float] = []
+    for _ in range(rounds):
+        seen: list[float] = []
+        plain_generate(target, [context], 1 + tokens, params, [0], [], on_step=lambda: seen.append(time.perf_counter()))
+        gaps += [1e3 * (b - a) for a, b in zip(seen, seen[1:])]
+    gaps.sort()
+    return gaps[len(gaps) // 2]
 
 
 def loop_forward(target, context: list[int], width: int) -> None:
