@@ -142,7 +142,7 @@ def predicted_parts(traces, costs, c: Candidate) -> dict:
     n = max(sum(v for v, *_ in steps), 1e-9)
     draft = sum(v * ((costs.draft_ms[(c.topk, c.depth)] if h else costs.consume_ms) if c.topk else 0.0)
                 for v, _, _, h in steps) / n
-    noise = costs.noise_ms_per_row * (c.loop_depth + 1) if costs.temperature > 0 else 0.0
+    noise = costs.noise_ms_per_row * c.noise_rows if costs.temperature > 0 else 0.0
     plain_run = sum(1e3 * tr.plain_s - tr.prefill_ms for tr in traces) / max(sum(len(tr.tokens) - 1 for tr in traces), 1)
     return {"verify": sum(v * costs.verify(w) for v, _, w, _ in steps) / n,
             "mean_width": sum(v * w for v, _, w, _ in steps) / n,

@@ -27,7 +27,7 @@ function the loop's verify timer spans: ancestor mask, forward on the loop's cac
 timed greedy on a LoopState of the calibration context), the head's tree drafting per (topk,
 depth) (or only consuming the confirmed positions), the lookup's proposal and merge, the loop's own
 overhead (bookkeeping between the parts: the median residual of a real run of the loop) and, at
-T > 0, the sampled walk's noise rows. Plain decoding's step is timed with plain_generate itself and
+T > 0, the noise rows a step draws (the walk's k + 1, a lookup chain's sampler one: Candidate.noise_rows). Plain decoding's step is timed with plain_generate itself and
 priced the same way: its minimum plus the median residual of a real plain run (Costs.plain_step). Every cost is
 measured in several interleaved rounds and the minimum kept (load from other processes only ever
 adds time: inference/timing.py, which the decode-stage dtype choice times with too); the profile is checked for consistency and `warnings` says where it is not.
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -250,6 +251,15 @@ class Candidate:
         """The loop's k: the deepest branch (noise rows per step are k + 1)."""
         return max(self.depth if self.topk else 0, self.lookup_len)
 
+    @property
+    def noise_rows(self) -> int:
+        """T > 0: vocabulary rows of 1/Exp(1) noise a step of c draws. The tree walk draws k + 1
+        every step (tree_noise, a fixed amount whatever was drafted); lookup alone runs the chain path,
+        whose rejection sampler draws one, for the recovered or bonus token (its k accept uniforms
+        cost nothing beside it). Priced at k + 1, a lookup chain's step came out 5.3 ms (12%) cheaper
+        than it ran (AMX, bf16, T = 1, lookup 4: 38.3 vs 43.6 ms), and its probe's overhead negative."""
+        return self.loop_depth + 1 if self.topk else 1
+
     def settings(self, base: DraftSettings) -> DraftSettings:
         if not self.topk:
             return replace(base, mode="lookup", lookup_len=self.lookup_len)
@@ -354,7 +364,7 @@ class Costs:
     plain_step_ms: float  # one plain_generate step (forward + sampling)
     plain_prefill_ms: float  # plain_generate of one token on the calibration context
     head_prefill_ms: float = 0.0  # the head reading the calibration context (the first draft's extra)
-    noise_ms_per_row: float = 0.0  # T > 0: one 1/Exp(1) row over the vocabulary per depth + 1
+    noise_ms_per_row: float = 0.0  # T > 0: one 1/Exp(1) row over the vocabulary (Candidate.noise_rows a step)
     lookup_ms: float = 0.0  # lookup's proposal and merge per step
     overhead_ms: float = 0.0  # per step beyond forward, drafting and noise (walk, roll-back, bookkeeping)
     lookup_overhead_ms: float | None = None  # the same for lookup alone (the chain path); None: overhead_ms
@@ -384,7 +394,7 @@ class Costs:
     def step(self, c: Candidate, width: float, head_on: bool) -> float:
         """ms of one speculative step of c with this verify width."""
         draft = (self.draft_ms[(c.topk, c.depth)] if head_on else self.consume_ms) if c.topk else 0.0
-        noise = self.noise_ms_per_row * (c.loop_depth + 1) if self.temperature > 0 else 0.0
+        noise = self.noise_ms_per_row * c.noise_rows if self.temperature > 0 else 0.0
         over = self.overhead_ms if c.topk or self.lookup_overhead_ms is None else self.lookup_overhead_ms
         return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + over + noise
 
@@ -624,15 +634,14 @@ def measure_loop(target, head, context: list[int], costs: Costs, params: Samplin
         dec = SpecDecoder(target, NgramDrafter(max_n=lookup_ngram), k=c.lookup_len, stop_ids=[])
     seen: list[tuple[float, int]] = []  # (time, verify width) at each step's walk
     dec.observer = lambda tree, verdict: seen.append((time.perf_counter(), int((tree.tokens[0] >= 0).sum()) + 1))
-    noise = costs.noise_ms_per_row * (dec.k + 1) if not params.greedy else 0.0
+    noise = costs.noise_ms_per_row * c.noise_rows if not params.greedy else 0.0
     fixed = (costs.draft_ms[(c.topk, c.depth)] if c.topk else 0.0) + costs.lookup_ms + noise
     residuals = []
     for _ in range(rounds):
         seen.clear()
         dec.generate([context], tokens, params, [0])
         residuals += [1e3 * (t1 - t0) - costs.verify(w) - fixed for (t0, _), (t1, w) in zip(seen, seen[1:])]
-    residuals.sort()
-    return residuals[len(residuals) // 2] if residuals else 0.0
+    return statistics.median_high(residuals) if residuals else 0.0  # a step that ran (the upper of the middle two)
 
 
 def machine_cpu_s() -> tuple[float, float]:
