@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -248,7 +248,7 @@ class Candidate:
 
     @property
     def loop_depth(self) -> int:
-        """The loop's k: the deepest branch (noise rows per step are k + 1)."""
+        """The loop's k: the deepest branch (a tree walk's noise rows per step are k + 1: noise_rows)."""
         return max(self.depth if self.topk else 0, self.lookup_len)
 
     @property
