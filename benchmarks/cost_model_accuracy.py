@@ -147,7 +147,7 @@ def predicted_parts(traces, costs, c: Candidate) -> dict:
     return {"verify": sum(v * costs.verify(w) for v, _, w, _ in steps) / n,
             "mean_width": sum(v * w for v, _, w, _ in steps) / n,
             "draft": draft, "lookup": costs.lookup_ms if c.lookup_len else 0.0,
-            "overhead": costs.overhead_ms if c.topk or costs.lookup_overhead_ms is None else costs.lookup_overhead_ms,
+            "overhead": costs.overhead(c),
             "noise": noise, "step": sum(v * costs.step(c, w, h) for v, _, w, h in steps) / n,
             "plain_step_model": costs.plain_step(), "plain_step_min": costs.plain_step_ms, "plain_step_in_traces": plain_run,
             "tau_position_average": _position_average_tau(traces, c)}

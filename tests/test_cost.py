@@ -224,7 +224,7 @@ def test_sampling_noise_is_priced_as_each_path_draws_it(fitted, monkeypatch):
                         rounds=1)
     c = cal.costs[1.0]
     assert c.noise_ms_per_row == 1e3 * unit
-    assert c.overhead_ms == 0.0 and c.lookup_overhead_ms == 0.0
+    assert c.overhead_ms == c.shallow_overhead_ms == c.lookup_overhead_ms == 0.0
     for cand in (Candidate(0, 0, 0, 4), Candidate(2, 2, 3, 6)):
         drafter, kw = cand.settings(DraftSettings()).decoder_args(head)
         dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
@@ -235,6 +235,46 @@ def test_sampling_noise_is_priced_as_each_path_draws_it(fitted, monkeypatch):
         assert len(steps) >= 5 and any(w > 1 for _, w in steps)
         assert all(ms == c.step(cand, w, True) == 1e3 * unit * cand.noise_rows for ms, w in steps), cand.label()
     assert (Candidate(0, 0, 0, 4).noise_rows, Candidate(2, 2, 3, 6).noise_rows) == (1, 7)
+
+
+def test_loop_overhead_is_priced_by_the_heads_depth(fitted, monkeypatch):
+    """The loop's residual beyond the timed parts grows with the head's depth (AMX, bf16, T = 1: about 3
+    ms a step for depth-1 trees, 6-10 for depth-3 hybrids); priced at one mid-size probe, every depth-1
+    tree came out 2-5 ms a step dearer than it ran. On a clock where the only time is 1 + 2 d units
+    per draft of depth d inside a real loop run (none in the timed parts), calibration's depth-1 and
+    depth-3 probes measure 3 and 7 units, and every real step of trees of depth 1, 2 and 3 costs
+    exactly what Costs.step charges it: 3, 5 and 7 units."""
+    import time
+
+    target, head, _ = fitted
+    now, unit, in_loop = [0.0], 2.0 ** -10, [False]
+    draft_tree, generate = head.draft_tree, SpecDecoder.generate
+
+    def charged(state, feats, next_tokens, valid, shape):
+        now[0] += unit * (1 + 2 * shape.depth) if in_loop[0] else 0.0
+        return draft_tree(state, feats, next_tokens, valid, shape)
+
+    def looping(self, *a, **kw):
+        in_loop[0] = True
+        try:
+            return generate(self, *a, **kw)
+        finally:
+            in_loop[0] = False
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(head, "draft_tree", charged)
+    monkeypatch.setattr(SpecDecoder, "generate", looping)
+    _, cal = auto_draft(target, head, PROMPTS[:1], topks=(2,), max_depth=3, max_new_tokens=8, rounds=1)
+    c = cal.costs[0.0]
+    assert (c.shallow_overhead_ms, c.overhead_ms, c.overhead_depth) == (3e3 * unit, 7e3 * unit, 3)
+    for cand in (Candidate(2, 1, 2), Candidate(2, 2, 3), Candidate(2, 3, 4), Candidate(2, 2, 3, 6)):
+        drafter, kw = cand.settings(DraftSettings()).decoder_args(head)
+        dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
+        seen = []  # (time, verify width) at each step's walk
+        dec.observer = lambda tree, v: seen.append((now[0], int((tree.tokens[0] >= 0).sum()) + 1))
+        dec.generate([PROMPTS[-1]], NEW)
+        steps = [(1e3 * (t1 - t0), w) for (t0, _), (t1, w) in zip(seen, seen[1:])]
+        assert len(steps) >= 5
+        assert all(ms == c.step(cand, w, True) == 1e3 * unit * (1 + 2 * cand.depth) for ms, w in steps), cand.label()
 
 
 def test_calibrated_verify_is_what_the_loops_verify_step_costs(fitted, monkeypatch):

@@ -26,7 +26,8 @@ Cost per step, from timings: the loop's own verify step of w tokens (SpecDecoder
 function the loop's verify timer spans: ancestor mask, forward on the loop's cache, walk, commit;
 timed greedy on a LoopState of the calibration context), the head's tree drafting per (topk,
 depth) (or only consuming the confirmed positions), the lookup's proposal and merge, the loop's own
-overhead (bookkeeping between the parts: the median residual of a real run of the loop) and, at
+overhead (bookkeeping between the parts: the median residual of a real run of the loop, measured for
+a depth-1 tree, a mid-size hybrid and lookup alone: Costs.overhead) and, at
 T > 0, the noise rows a step draws (the walk's k + 1, a lookup chain's sampler one: Candidate.noise_rows). Plain decoding's step is timed with plain_generate itself and
 priced the same way: its minimum plus the median residual of a real plain run (Costs.plain_step). Every cost is
 measured in several interleaved rounds and the minimum kept (load from other processes only ever
@@ -252,16 +253,21 @@ class Candidate:
         return max(self.depth if self.topk else 0, self.lookup_len)
 
     @property
+    def chain(self) -> bool:
+        """Lookup alone: the loop runs the chain path (DraftSettings.decoder_args), not the tree walk."""
+        return not self.topk
+
+    @property
     def noise_rows(self) -> int:
         """T > 0: vocabulary rows of 1/Exp(1) noise a step of c draws. The tree walk draws k + 1
         every step (tree_noise, a fixed amount whatever was drafted); lookup alone runs the chain path,
         whose rejection sampler draws one, for the recovered or bonus token (its k accept uniforms
         cost nothing beside it). Priced at k + 1, a lookup chain's step came out 5.3 ms (12%) cheaper
         than it ran (AMX, bf16, T = 1, lookup 4: 38.3 vs 43.6 ms), and its probe's overhead negative."""
-        return self.loop_depth + 1 if self.topk else 1
+        return 1 if self.chain else self.loop_depth + 1
 
     def settings(self, base: DraftSettings) -> DraftSettings:
-        if not self.topk:
+        if self.chain:
             return replace(base, mode="lookup", lookup_len=self.lookup_len)
         return replace(base, mode="hybrid" if self.lookup_len else "tree", topk=self.topk, depth=self.depth,
                        budget=self.budget, lookup_len=self.lookup_len or base.lookup_len,
@@ -368,6 +374,8 @@ class Costs:
     lookup_ms: float = 0.0  # lookup's proposal and merge per step
     overhead_ms: float = 0.0  # per step beyond forward, drafting and noise (walk, roll-back, bookkeeping)
     lookup_overhead_ms: float | None = None  # the same for lookup alone (the chain path); None: overhead_ms
+    overhead_depth: int = 0  # the head depth of the probe overhead_ms is measured with (0: priced at every depth)
+    shallow_overhead_ms: float | None = None  # the same for a depth-1 tree of the head (overhead())
     temperature: float = 0.0
     plain_run_ms: float = 0.0  # plain_generate of 1 + plain_tokens tokens (plain_step_ms is the difference)
     plain_tokens: int = 8
@@ -391,12 +399,30 @@ class Costs:
         a, b = ws[-2], ws[-1]
         return self.verify_ms[b] + (self.verify_ms[b] - self.verify_ms[a]) * (width - b) / (b - a)
 
-    def step(self, c: Candidate, width: float, head_on: bool) -> float:
-        """ms of one speculative step of c with this verify width."""
+    def overhead(self, c: Candidate) -> float:
+        """ms a step of c runs beyond its timed parts: lookup alone its own probe's (the chain path);
+        a tree the probes' at head depth 1 and overhead_depth, linear in c's depth between them and the
+        deep probe's beyond it. The residual grows with the head's depth (the head reads more accepted
+        positions a step, the walk visits more levels): priced at the one mid-size probe, depth-1 trees
+        at T = 1 came out 2-5 ms a step dearer than they ran (AMX, bf16: tree 8x1 b6 54.9 vs 51.1 ms),
+        4 of 4 runs, one of them 11.7% pessimistic."""
+        if c.chain and self.lookup_overhead_ms is not None:
+            return self.lookup_overhead_ms
+        if self.shallow_overhead_ms is None or self.overhead_depth <= 1:
+            return self.overhead_ms
+        f = (min(max(c.depth, 1), self.overhead_depth) - 1) / (self.overhead_depth - 1)
+        return self.shallow_overhead_ms + f * (self.overhead_ms - self.shallow_overhead_ms)
+
+    def parts(self, c: Candidate, width: float, head_on: bool) -> float:
+        """ms of one step of c with this verify width from its timed parts alone: drafting (or the
+        head consuming), lookup, the verify step and, at T > 0, the noise rows."""
         draft = (self.draft_ms[(c.topk, c.depth)] if head_on else self.consume_ms) if c.topk else 0.0
         noise = self.noise_ms_per_row * c.noise_rows if self.temperature > 0 else 0.0
-        over = self.overhead_ms if c.topk or self.lookup_overhead_ms is None else self.lookup_overhead_ms
-        return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + over + noise
+        return draft + (self.lookup_ms if c.lookup_len else 0.0) + self.verify(width) + noise
+
+    def step(self, c: Candidate, width: float, head_on: bool) -> float:
+        """ms of one speculative step of c with this verify width."""
+        return self.parts(c, width, head_on) + self.overhead(c)
 
 
 def predict(traces: list[Trace], costs: Costs, c: Candidate, new_tokens: int | None = None) -> dict:
@@ -621,26 +647,23 @@ def _verify_fn(dec: SpecDecoder, s, w: int):
 @torch.inference_mode()
 def measure_loop(target, head, context: list[int], costs: Costs, params: SamplingParams, c: Candidate,
                  lookup_ngram: int = 3, tokens: int = 32, rounds: int = 2) -> float:
-    """Run the real loop with c (head drafting every step) and return its overhead_ms: the median
-    over steps of each step's wall time (observer to observer) beyond the timed forward, drafting,
-    lookup and noise. The median, as the parts are minima: a step slowed by another process must
+    """Run the real loop with c (head drafting every step) and return its loop overhead: the median
+    over steps of each step's wall time (observer to observer) beyond its timed parts (Costs.parts). The median, as the parts are minima: a step slowed by another process must
     not count as overhead."""
     from draftkit.inference.drafters import HybridDrafter
 
-    if c.topk:
+    if c.chain:  # lookup alone runs the chain path (DraftSettings.decoder_args): its own overhead
+        dec = SpecDecoder(target, NgramDrafter(max_n=lookup_ngram), k=c.lookup_len, stop_ids=[])
+    else:
         drafter = HybridDrafter(head, NgramDrafter(max_n=lookup_ngram), c.lookup_len)
         dec = SpecDecoder(target, drafter, tree=TreeShape(c.topk, c.depth, c.budget), stop_ids=[])
-    else:  # lookup alone runs the chain path (DraftSettings.decoder_args): its own overhead
-        dec = SpecDecoder(target, NgramDrafter(max_n=lookup_ngram), k=c.lookup_len, stop_ids=[])
     seen: list[tuple[float, int]] = []  # (time, verify width) at each step's walk
     dec.observer = lambda tree, verdict: seen.append((time.perf_counter(), int((tree.tokens[0] >= 0).sum()) + 1))
-    noise = costs.noise_ms_per_row * c.noise_rows if not params.greedy else 0.0
-    fixed = (costs.draft_ms[(c.topk, c.depth)] if c.topk else 0.0) + costs.lookup_ms + noise
     residuals = []
     for _ in range(rounds):
         seen.clear()
         dec.generate([context], tokens, params, [0])
-        residuals += [1e3 * (t1 - t0) - costs.verify(w) - fixed for (t0, _), (t1, w) in zip(seen, seen[1:])]
+        residuals += [1e3 * (t1 - t0) - costs.parts(c, w, True) for (t0, _), (t1, w) in zip(seen, seen[1:])]
     return statistics.median_high(residuals) if residuals else 0.0  # a step that ran (the upper of the middle two)
 
 
@@ -800,7 +823,8 @@ class _Calibrating:
     def costs(self, params: SamplingParams, share: float) -> tuple[Costs, list[str]]:
         """The costs at one temperature: interleaved rounds (at least 3, within a quarter of
         `share` seconds) over every verify width and (topk, depth) of the axes, minimum kept;
-        then the loop overhead of a mid-size hybrid of the space's head."""
+        then the loop overheads of a mid-size hybrid of the space's head, a depth-1 tree of it and
+        lookup alone (Costs.overhead)."""
         topks, depth = self.axes["topks"], self.axes["depth"]
         widths = tuple(sorted(set(VERIFY_WIDTHS) | {max(c.budget + c.lookup_len + 1 for c in self.cands)}))
         m = self.target, self.head, self.ctx, topks, depth, params
@@ -814,8 +838,13 @@ class _Calibrating:
         k, d = topks[len(topks) // 2], min(3, depth)
         probe = Candidate(k, d, min(16, k + (d - 1) * k * k), max(LOOKUP_LENS))
         c.overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, probe, self.base.lookup_ngram)
-        if any(not x.topk for x in self.cands):
-            lookup = Candidate(0, 0, 0, max(x.lookup_len for x in self.cands if not x.topk))
+        c.overhead_depth = d
+        if d > 1:  # and a depth-1 tree of the widest topk: Costs.overhead prices the depths between
+            shallow = Candidate(max(topks), 1, max(topks))
+            c.shallow_overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, shallow,
+                                                 self.base.lookup_ngram)
+        if any(x.chain for x in self.cands):
+            lookup = Candidate(0, 0, 0, max(x.lookup_len for x in self.cands if x.chain))
             c.lookup_overhead_ms = measure_loop(self.target, self.head, self.ctx, c, params, lookup, self.base.lookup_ngram)
         c.plain_overhead_ms = plain_step_median_ms(self.target, self.ctx, 32, params) - c.plain_step_ms
         self.bar.update(1)
@@ -948,8 +977,7 @@ def _cost_words(c: Costs, cand: Candidate) -> str:
     """The measured costs that decide cand, in words."""
     w = cand.budget + cand.lookup_len + 1 if cand.topk else cand.lookup_len + 1
     draft = f"head draft {c.draft_ms[(cand.topk, cand.depth)]:.1f} ms, " if cand.topk else ""
-    over = c.overhead_ms if cand.topk or c.lookup_overhead_ms is None else c.lookup_overhead_ms
-    return f"verify {w}: {c.verify(w):.1f} ms, {draft}loop overhead {over:.1f} ms"
+    return f"verify {w}: {c.verify(w):.1f} ms, {draft}loop overhead {c.overhead(cand):.1f} ms"
 
 
 def _costs_dict(c: Costs) -> dict:
@@ -959,6 +987,8 @@ def _costs_dict(c: Costs) -> dict:
             "plain_overhead_ms": round(c.plain_overhead_ms, 3),
             "overhead_ms": round(c.overhead_ms, 3), "lookup_ms": round(c.lookup_ms, 3),
             "lookup_overhead_ms": None if c.lookup_overhead_ms is None else round(c.lookup_overhead_ms, 3),
+            "overhead_depth": c.overhead_depth,
+            "shallow_overhead_ms": None if c.shallow_overhead_ms is None else round(c.shallow_overhead_ms, 3),
             "noise_ms_per_row": round(c.noise_ms_per_row, 4)}
 
 
