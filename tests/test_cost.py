@@ -202,56 +202,81 @@ def test_lookup_alone_is_costed_with_its_own_loop_overhead(fitted):
     assert c.step(tree, 4, True) - c.verify(4) == pytest.approx(c.draft_ms[(2, 2)] + c.overhead_ms)
 
 
-def test_sampling_noise_is_priced_as_each_path_draws_it(fitted, monkeypatch):
+class Clock:
+    """A deterministic clock for the cost model's timings: time.perf_counter reads `now`, which only
+    what a test charges advances, in units of 2^-10 s (binary fractions: every sum is exact)."""
+
+    unit = 2.0 ** -10
+
+    def __init__(self):
+        self.now = 0.0
+
+    def charge(self, units: float) -> None:
+        self.now += self.unit * units
+
+    def ms(self, units: float) -> float:
+        return 1e3 * self.unit * units
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    import time
+
+    c = Clock()
+    monkeypatch.setattr(time, "perf_counter", lambda: c.now)
+    return c
+
+
+def loop_steps(target, head, cand: Candidate, clock: Clock, params=SamplingParams()) -> list[tuple[float, int]]:
+    """(ms from one step's walk to the next's, verify width) of each step of a real run of cand on
+    PROMPTS[-1], on the clock."""
+    drafter, kw = cand.settings(DraftSettings()).decoder_args(head)
+    dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
+    seen = []  # (time, verify width) at each step's walk
+    dec.observer = lambda tree, v: seen.append((clock.now, int((tree.tokens[0] >= 0).sum()) + 1))
+    dec.generate([PROMPTS[-1]], NEW, params, [0])
+    return [(1e3 * (t1 - t0), w) for (t0, _), (t1, w) in zip(seen, seen[1:])]
+
+
+def test_sampling_noise_is_priced_as_each_path_draws_it(fitted, clock, monkeypatch):
     """At T > 0 the tree walk draws k + 1 vocabulary rows of 1/Exp(1) noise every step (tree_noise),
     while lookup alone runs the chain path, whose rejection sampler draws one row (the recovered or
     bonus token's). On a clock where a row of noise costs one unit and nothing else takes time, every
     step of a real run of either path costs exactly what Costs.step charges it, and the loop overheads
     calibration measures beside the parts are 0. Priced at k + 1 rows on the chain path too, a lookup
     chain's step came out 5.3 ms (12%) cheaper than it ran on an AMX CPU, its overhead negative."""
-    import time
-
     target, head, _ = fitted
-    now, unit, V = [0.0], 2.0 ** -10, target.vocab_size
     draw = torch.Tensor.exponential_
 
     def charged(t, *a, **kw):
-        now[0] += unit * t.numel() / V
+        clock.charge(t.numel() / target.vocab_size)
         return draw(t, *a, **kw)
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(torch.Tensor, "exponential_", charged)
     _, cal = auto_draft(target, head, PROMPTS[:1], temperatures=(1.0,), topks=(2,), max_depth=2, max_new_tokens=8,
                         rounds=1)
     c = cal.costs[1.0]
-    assert c.noise_ms_per_row == 1e3 * unit
+    assert c.noise_ms_per_row == clock.ms(1)
     assert c.overhead_ms == c.shallow_overhead_ms == c.lookup_overhead_ms == 0.0
     for cand in (Candidate(0, 0, 0, 4), Candidate(2, 2, 3, 6)):
-        drafter, kw = cand.settings(DraftSettings()).decoder_args(head)
-        dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
-        seen = []  # (time, verify width) at each step's walk
-        dec.observer = lambda tree, v: seen.append((now[0], int((tree.tokens[0] >= 0).sum()) + 1))
-        dec.generate([PROMPTS[-1]], NEW, SamplingParams(temperature=1.0), [0])
-        steps = [(1e3 * (t1 - t0), w) for (t0, _), (t1, w) in zip(seen, seen[1:])]
+        steps = loop_steps(target, head, cand, clock, SamplingParams(temperature=1.0))
         assert len(steps) >= 5 and any(w > 1 for _, w in steps)
-        assert all(ms == c.step(cand, w, True) == 1e3 * unit * cand.noise_rows for ms, w in steps), cand.label()
+        assert all(ms == c.step(cand, w, True) == clock.ms(cand.noise_rows) for ms, w in steps), cand.label()
     assert (Candidate(0, 0, 0, 4).noise_rows, Candidate(2, 2, 3, 6).noise_rows) == (1, 7)
 
 
-def test_loop_overhead_is_priced_by_the_heads_depth(fitted, monkeypatch):
+def test_loop_overhead_is_priced_by_the_heads_depth(fitted, clock, monkeypatch):
     """The loop's residual beyond the timed parts grows with the head's depth (AMX, bf16, T = 1: about 3
     ms a step for depth-1 trees, 6-10 for depth-3 hybrids); priced at one mid-size probe, every depth-1
     tree came out 2-5 ms a step dearer than it ran. On a clock where the only time is 1 + 2 d units
     per draft of depth d inside a real loop run (none in the timed parts), calibration's depth-1 and
     depth-3 probes measure 3 and 7 units, and every real step of trees of depth 1, 2 and 3 costs
     exactly what Costs.step charges it: 3, 5 and 7 units."""
-    import time
-
     target, head, _ = fitted
-    now, unit, in_loop = [0.0], 2.0 ** -10, [False]
+    in_loop = [False]
     draft_tree, generate = head.draft_tree, SpecDecoder.generate
 
     def charged(state, feats, next_tokens, valid, shape):
-        now[0] += unit * (1 + 2 * shape.depth) if in_loop[0] else 0.0
+        clock.charge(1 + 2 * shape.depth if in_loop[0] else 0)
         return draft_tree(state, feats, next_tokens, valid, shape)
 
     def looping(self, *a, **kw):
@@ -260,43 +285,33 @@ def test_loop_overhead_is_priced_by_the_heads_depth(fitted, monkeypatch):
             return generate(self, *a, **kw)
         finally:
             in_loop[0] = False
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(head, "draft_tree", charged)
     monkeypatch.setattr(SpecDecoder, "generate", looping)
     _, cal = auto_draft(target, head, PROMPTS[:1], topks=(2,), max_depth=3, max_new_tokens=8, rounds=1)
     c = cal.costs[0.0]
-    assert (c.shallow_overhead_ms, c.overhead_ms, c.overhead_depth) == (3e3 * unit, 7e3 * unit, 3)
+    assert (c.shallow_overhead_ms, c.overhead_ms, c.overhead_depth) == (clock.ms(3), clock.ms(7), 3)
     for cand in (Candidate(2, 1, 2), Candidate(2, 2, 3), Candidate(2, 3, 4), Candidate(2, 2, 3, 6)):
-        drafter, kw = cand.settings(DraftSettings()).decoder_args(head)
-        dec = SpecDecoder(target, drafter, stop_ids=[], **kw)
-        seen = []  # (time, verify width) at each step's walk
-        dec.observer = lambda tree, v: seen.append((now[0], int((tree.tokens[0] >= 0).sum()) + 1))
-        dec.generate([PROMPTS[-1]], NEW)
-        steps = [(1e3 * (t1 - t0), w) for (t0, _), (t1, w) in zip(seen, seen[1:])]
+        steps = loop_steps(target, head, cand, clock)
         assert len(steps) >= 5
-        assert all(ms == c.step(cand, w, True) == 1e3 * unit * (1 + 2 * cand.depth) for ms, w in steps), cand.label()
+        assert all(ms == c.step(cand, w, True) == clock.ms(1 + 2 * cand.depth) for ms, w in steps), cand.label()
 
 
-def test_calibrated_verify_is_what_the_loops_verify_step_costs(fitted, monkeypatch):
+def test_calibrated_verify_is_what_the_loops_verify_step_costs(fitted, clock, monkeypatch):
     """verify(w), what the model charges a step of width w, is the time the loop's verify timer
     takes at that width (SpecDecoder.verify_step), not a forward beside it: on a deterministic
     clock where the target's forward of T tokens costs 1 + T units and the rest of the loop's verify
     step, the ancestor mask, the walk and the commit, 3, 5 and 7, every step of a real hybrid run
     took exactly the calibrated verify(w) of its width."""
-    import time
-
     from draftkit.inference import cache, decoder, tree as tree_mod
 
     target, head, _ = fitted
-    now, unit = [0.0], 2.0 ** -10  # binary fractions: the sums are exact
 
     def charged(fn, units):
         def run(*a, **kw):
             out = fn(*a, **kw)
-            now[0] += unit * units(*a, **kw)
+            clock.charge(units(*a, **kw))
             return out
         return run
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(target, "decoder", charged(target.decoder, lambda *a, input_ids, **kw: 1 + input_ids.shape[1]))
     monkeypatch.setattr(tree_mod.DraftTree, "ancestor_mask", charged(tree_mod.DraftTree.ancestor_mask, lambda *a: 3))
     monkeypatch.setattr(decoder, "accept_tree", charged(decoder.accept_tree, lambda *a, **kw: 5))
@@ -313,38 +328,34 @@ def test_calibrated_verify_is_what_the_loops_verify_step_costs(fitted, monkeypat
     assert len(widths) >= 3
     costs = measure_costs(target, head, PROMPTS[-1], (2,), 1, SamplingParams(), rounds=1, widths=tuple(widths))
     assert [(w, ms) for w, ms, _ in steps] == [(w, costs.verify(w)) for w, _, _ in steps]
-    assert costs.verify(widths[0]) == 1e3 * unit * (1 + widths[0] + 3 + 5 + 7)
+    assert costs.verify(widths[0]) == clock.ms(1 + widths[0] + 3 + 5 + 7)
 
 
-def test_plain_decoding_is_priced_as_a_real_plain_run_pays_it(fitted, monkeypatch):
+def test_plain_decoding_is_priced_as_a_real_plain_run_pays_it(fitted, clock, monkeypatch):
     """The loop's steps are priced at their parts' minima plus the median residual of a real loop run
     (overhead_ms); plain decoding's step must be priced the same way, or the machine's spread lands on
     one side only (every shape 7-18% pessimistic on a noisy VM). On a clock where two of every three
     target forwards are slowed by 8 units, the minimum-based plain_step_ms is below what a real plain
     run pays per step; the calibrated plain_step() is the median step of a real plain run, and
     predict prices plain decoding at it."""
-    import time
-
     from draftkit.inference import cost
 
     target, head, _ = fitted
-    now, unit, calls = [0.0], 2.0 ** -10, [0]
-    forward = target.decoder
+    calls, forward = [0], target.decoder
 
     def noisy(*a, input_ids, **kw):
         out = forward(*a, input_ids=input_ids, **kw)
         calls[0] += 1
-        now[0] += unit * (1 + input_ids.shape[1] + (8 if calls[0] % 3 else 0))
+        clock.charge(1 + input_ids.shape[1] + (8 if calls[0] % 3 else 0))
         return out
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(target, "decoder", noisy)
     _, cal = auto_draft(target, head, PROMPTS[:2], topks=(2,), max_depth=2, max_new_tokens=12, rounds=1)
     c = cal.costs[0.0]
     seen = []
-    plain_generate(target, [cost._context(PROMPTS[:2], 12)], 33, stop_ids=[], on_step=lambda: seen.append(now[0]))
+    plain_generate(target, [cost._context(PROMPTS[:2], 12)], 33, stop_ids=[], on_step=lambda: seen.append(clock.now))
     gaps = sorted(1e3 * (b - a) for a, b in zip(seen, seen[1:]))
-    assert gaps[len(gaps) // 2] == 1e3 * unit * (1 + 1 + 8)  # a real run's median step: a slowed forward
-    assert c.plain_step() == 1e3 * unit * 10
+    assert gaps[len(gaps) // 2] == clock.ms(1 + 1 + 8)  # a real run's median step: a slowed forward
+    assert c.plain_step() == clock.ms(10)
     assert c.plain_step_ms < c.plain_step()  # the minimum-based step alone would price plain too cheap
     tr, lookup = cal.traces[0.0][0], Candidate(0, 0, 0, 4)
     n = len(tr.tokens) - 1
