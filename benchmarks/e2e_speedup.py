@@ -5,6 +5,11 @@ lookup, over sizes, batch 1, all interleaved prompt by prompt in ONE run.
     python benchmarks/e2e_speedup.py --head runs/eagle/head --configs "chain k=3" "tree topk=4 depth=5 budget=16" \\
         "hybrid topk=2 depth=4 budget=8 lookup_len=8" "lookup lookup_len=8"
 
+Several heads side by side, interleaved in the same run (a config names its head with head=NAME):
+
+    python benchmarks/e2e_speedup.py --head eagle3=runs/eagle3/head dflash=runs/dflash/head \
+        --configs "chain k=7 head=eagle3" "chain k=7 head=dflash"
+
 A config is a mode (chain | tree | hybrid | lookup) followed by DraftSettings fields. For every
 prompt, plain decoding and every config decode it in rotated order (so machine load hits all alike);
 at T = 0 every output is compared with plain decoding (mismatches, and bf16 near-ties).
@@ -28,7 +33,7 @@ from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.cli_eval import resolve_head_dir
 from draftkit.inference.evaluate import _prepare, read_prompt_file
 from draftkit.inference.sampling import SamplingParams
-from draftkit.target import load_target
+from draftkit.target import cpu_flags, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = ROOT.parent / "shared" / "data" / "dev" / "spec_bench_400.jsonl"
@@ -41,18 +46,46 @@ DEFAULT_CONFIGS = [
 ]
 
 
-def parse_config(text: str) -> DraftSettings:
+def parse_config(text: str) -> tuple[DraftSettings, str | None]:
+    """"mode key=value ..." -> (DraftSettings, the head it names with head=NAME, or None)."""
     mode, *pairs = text.split()
-    fields = {}
+    fields, head = {}, None
     for pair in pairs:
         key, _, val = pair.partition("=")
+        if key == "head":
+            head = val
+            continue
         fields[key] = None if val in ("none", "null") else int(val)
-    return DraftSettings(mode=mode, chosen_by="user", **fields)
+    return DraftSettings(mode=mode, chosen_by="user", **fields), head
+
+
+def parse_heads(items: list[str] | None) -> dict[str, str]:
+    """--head DIR | NAME=DIR ... -> {name: dir}; a bare DIR is named "head"."""
+    heads = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        name, path = (name, path) if sep else ("head", item)
+        if not name or not path or name in heads:
+            raise SystemExit(f"--head: expected DIR or NAME=DIR with distinct names, got {item!r}")
+        heads[name] = path
+    return heads
+
+
+def config_head(text: str, named: str | None, heads: dict) -> str | None:
+    """Which head a config drafts with: the one it names, else the only one (None: no head)."""
+    if named is not None:
+        if named not in heads:
+            raise SystemExit(f"config {text!r}: head={named} is not one of --head {sorted(heads)}")
+        return named
+    if len(heads) > 1:
+        raise SystemExit(f"config {text!r}: several heads given ({sorted(heads)}): name one with head=NAME")
+    return next(iter(heads), None)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head", help="head directory (configs other than lookup need one)")
+    p.add_argument("--head", nargs="+", help="head directory, or NAME=DIR ... for several (configs other than "
+                   "lookup need one)")
     p.add_argument("--target", help="target path (default: the embedded SmolLM2-135M)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     p.add_argument("--limit", type=int, default=15)
@@ -67,16 +100,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     target = load_target(args.target, dtype=args.dtype)
-    head = None
-    if args.head:
-        head = load_head(resolve_head_dir(args.head), target, strict_target=not args.force)
-        head.to(dtype=target.dtype).eval()
-    configs = {c: parse_config(c) for c in args.configs}
-    if head is None:
-        configs = {c: s for c, s in configs.items() if s.mode == "lookup"}
+    head_dirs = parse_heads(args.head)
+    heads = {n: load_head(resolve_head_dir(d), target, strict_target=not args.force).to(dtype=target.dtype).eval()
+             for n, d in head_dirs.items()}
+    parsed = {c: parse_config(c) for c in args.configs}
+    configs, uses = {}, {}
+    for c, (s, named) in parsed.items():
+        uses[c] = None if s.mode == "lookup" else config_head(c, named, heads)
+        if s.mode == "lookup" or uses[c] is not None:
+            configs[c] = s
     decoders = {}
     for name, s in configs.items():
-        drafter, kw = s.decoder_args(head)
+        drafter, kw = s.decoder_args(heads.get(uses[name]))
         decoders[name] = SpecDecoder(target, drafter, **kw)
     everything = read_prompt_file(args.prompts)
     chosen = everything[:: max(1, len(everything) // args.limit)][: args.limit]
@@ -128,10 +163,11 @@ def main() -> None:
         mism = f"{r.get('greedy_mismatches', '-')}/{r.get('greedy_near_ties', '-')}"
         per = "  ".join(f"{(r['per_category'][c].get('speedup') or 1.0):9.2f}x" for c in cats)
         print(f"{n:<58} {r.get('tau', 1.0):5.2f} {r['tokens_per_s']:6.1f} {r.get('speedup') or 1.0:6.2f}x {mism:>9}  {per}")
-    result = {"head": args.head, "target": target.info(), "dtype": args.dtype, "threads": args.threads,
+    result = {"heads": head_dirs, "config_heads": {n: uses[n] for n in configs}, "target": target.info(), "dtype": args.dtype, "threads": args.threads,
               "temperature": args.temperature, "prompts": args.prompts, "limit": args.limit,
               "num_prompts": len(items), "max_new_tokens": args.max_new_tokens,
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "machine": platform.processor() or platform.machine(), "cpu_flags": cpu_flags(),
+              "dtype_choice": target.dtype_choice, "torch": torch.__version__,
               "configs": {n: s.to_dict() for n, s in configs.items()}, "rows": result_rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 
     python benchmarks/engine_vllm.py --heads runs/quick/head [--limit 12] [--max-new-tokens 64]
         [--dtypes float32 bfloat16] [--temperatures 0 1] [--batch-sizes 1 4 16] [--k 3]
+    python benchmarks/engine_vllm.py --heads runs/eagle3/head runs/dflash/head@7 runs/dflash/head@3   # a head's own k
 
 Embedded target (SmolLM2-135M), Spec-Bench dev prompts (benchmarks/results/specbench_dev60.jsonl),
 every method in one run per dtype: plain, ngram and suffix (where arctic-inference is installed:
@@ -25,23 +26,33 @@ sys.path.insert(0, str(ROOT))
 from draftkit.target import cpu_flags  # noqa: E402  (one home: the phrase every result records)
 
 
+def head_and_k(item: str, k: int) -> tuple[str, int]:
+    """--heads item "DIR" or "DIR@K" -> (DIR, its k; --k when none is given)."""
+    path, sep, own = item.rpartition("@")
+    if not sep or not own.isdigit() or int(own) < 1:
+        return item, k
+    return path, int(own)
+
+
 def serve_heads(target, heads: list[str], ids: list[list[int]], base):
     """Each head through engine_eval, one dtype's settings `base`: vLLM plain and the model-free methods
     (base.methods: ngram, and suffix where arctic-inference imports) served with the first head only, and plain's outputs handed to every later head (engine_eval's `plain`), so every
     head gets its own T = 0 check "vLLM with the head = vLLM plain" (vllm_eval.greedy_outputs_check)
-    and its own result fields. Yields (head, report without outputs, the outputs taken out of it)."""
+    and its own result fields. A head given as DIR@K is served with num_speculative_tokens K (base.k
+    otherwise). Yields (head, report without outputs, the outputs taken out of it)."""
     from draftkit.engines.vllm_eval import engine_eval, plain_outputs
 
     plain = None
-    for n, head in enumerate(heads):
-        s = replace(base, methods=base.methods if n == 0 else ("head",))
+    for n, item in enumerate(heads):
+        head, k = head_and_k(item, base.k)
+        s = replace(base, methods=base.methods if n == 0 else ("head",), k=k)
         report = engine_eval(target, head, ids, s, plain=plain)
         plain = plain or plain_outputs(report)
-        kept = {"dtype": base.dtype, "head": head, "prompts": ids, "engine": {}, "loop": {}}
+        kept = {"dtype": base.dtype, "head": head, "k": k, "prompts": ids, "engine": {}, "loop": {}}
         for m, runs in report["engine"].items():
             kept["engine"][m] = {name: r.pop("outputs") for name, r in runs.items() if isinstance(r, dict) and "outputs" in r}
         kept["loop"] = {name: r.pop("outputs") for name, r in report["loop"].items() if "outputs" in r}
-        report.update(dtype=base.dtype, head=head, prompts=len(ids))
+        report.update(dtype=base.dtype, head=head, k=k, prompts=len(ids))
         yield head, report, kept
 
 
@@ -52,7 +63,8 @@ def main() -> int:
     from draftkit.target import load_target
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--heads", nargs="+", required=True, help="native heads or vLLM exports")
+    ap.add_argument("--heads", nargs="+", required=True,
+                    help="native heads or vLLM exports, each DIR or DIR@K (served with its own k)")
     ap.add_argument("--prompts", default=str(ROOT / "benchmarks/results/specbench_dev60.jsonl"))
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--every", type=int, default=1,
@@ -84,7 +96,7 @@ def main() -> int:
                                   cpu_sampler_fix=not args.cpu_sampler_as_shipped)
         for head, report, kept in serve_heads(target, args.heads, ids, base):
             outputs.append(kept)
-            print(f"\n== {head} ({dtype}, {len(ids)} prompts, {args.max_new_tokens} new tokens, CPU {cpu_flags()})")
+            print(f"\n== {head} k={report['k']} ({dtype}, {len(ids)} prompts, {args.max_new_tokens} new tokens, CPU {cpu_flags()})")
             print(format_report(report))
             result["runs"].append(report)
             ok &= report["ok"] or dtype != "float32"  # bf16: differences reported, not failures

@@ -699,6 +699,30 @@ def test_benchmark_checks_every_head_against_the_one_vllm_plain_run(monkeypatch,
     assert b["failures"] == ["T=0 B=1: T=0: vLLM with the head did not reproduce vLLM plain's greedy tokens"]
 
 
+
+def test_benchmark_serves_a_head_given_as_dir_at_k_with_its_own_k(monkeypatch, tmp_path):
+    """benchmarks/engine_vllm.py --heads DIR@K serves that head with num_speculative_tokens K and the
+    others with --k, so one run compares a block drafter at its block against a chain at its own k
+    (the same head may be served twice); each report records the k it was served with."""
+    from benchmarks.engine_vllm import head_and_k, serve_heads
+    from draftkit.engines import vllm_eval
+
+    assert head_and_k("runs/d/head@7", 3) == ("runs/d/head", 7)
+    assert head_and_k("runs/d/head", 3) == ("runs/d/head", 3)
+    assert head_and_k("runs/me@home/head", 3) == ("runs/me@home/head", 3)  # not a k: the path as given
+    seen = []
+
+    def engine_eval(target, head, ids, s, plain=None):
+        seen.append((head, s.k, s.methods))
+        return {"engine": {}, "loop": {}}
+
+    monkeypatch.setattr(vllm_eval, "engine_eval", engine_eval)
+    base = EngineEvalSettings(k=3, temperatures=(0.0,), batch_sizes=(1,))
+    runs = list(serve_heads(None, ["e", "d@7", "d@2"], [[5, 6]], base))
+    assert seen == [("e", 3, base.methods), ("d", 7, ("head",)), ("d", 2, ("head",))]
+    assert [(r["k"], kept["k"]) for _, r, kept in runs] == [(3, 3), (7, 7), (2, 2)]
+
+
 # ---- vLLM's suffix method (arctic-inference, optional) -------------------------------------------------
 
 def test_missing_arctic_inference_is_one_line_naming_the_import_error_and_the_setup(monkeypatch, tmp_path):
