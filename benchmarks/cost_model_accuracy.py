@@ -24,7 +24,7 @@ import torch
 from draftkit.heads.base import load_head
 from draftkit.target import cpu_flags
 from draftkit.inference.calibrate import calibration_prompts
-from draftkit.inference.cost import (OTHERS_CORES, Candidate, auto_draft, others_meter, position_step, predict,
+from draftkit.inference.cost import (OTHERS_CORES, Candidate, auto_draft, others_meter, predict,
                                      simulate, trace_prompt)
 from draftkit.inference.decoder import SpecDecoder, plain_generate, stop_token_ids
 from draftkit.inference.evaluate import _prepare, read_prompt_file
@@ -138,28 +138,18 @@ def predicted_parts(traces, costs, c: Candidate) -> dict:
     """The model's ms per step of c on the traces, by term: verify forward (by width), head drafting,
     lookup, loop overhead, noise rows; and the plain step it compares with against the plain runs
     that made the traces (their wall time less the timed prefill, per token)."""
-    steps = [s for tr in traces for s in simulate(tr, c)]  # (weight, tokens, width, head drafted?)
-    n = max(sum(v for v, *_ in steps), 1e-9)
-    draft = sum(v * ((costs.draft_ms[(c.topk, c.depth)] if h else costs.consume_ms) if c.topk else 0.0)
-                for v, _, _, h in steps) / n
+    steps = [s for tr in traces for s in simulate(tr, c)]  # (tokens, width, head drafted?)
+    n = max(len(steps), 1)
+    draft = sum(((costs.draft_ms[(c.topk, c.depth)] if h else costs.consume_ms) if c.topk else 0.0)
+                for _, _, h in steps) / n
     noise = costs.noise_ms_per_row * c.noise_rows if costs.temperature > 0 else 0.0
     plain_run = sum(1e3 * tr.plain_s - tr.prefill_ms for tr in traces) / max(sum(len(tr.tokens) - 1 for tr in traces), 1)
-    return {"verify": sum(v * costs.verify(w) for v, _, w, _ in steps) / n,
-            "mean_width": sum(v * w for v, _, w, _ in steps) / n,
+    return {"verify": sum(costs.verify(w) for _, w, _ in steps) / n,
+            "mean_width": sum(w for _, w, _ in steps) / n,
             "draft": draft, "lookup": costs.lookup_ms if c.lookup_len else 0.0,
             "overhead": costs.overhead(c),
-            "noise": noise, "step": sum(v * costs.step(c, w, h) for v, _, w, h in steps) / n,
-            "plain_step_model": costs.plain_step(), "plain_step_min": costs.plain_step_ms, "plain_step_in_traces": plain_run,
-            "tau_position_average": _position_average_tau(traces, c)}
-
-
-def _position_average_tau(traces, c: Candidate) -> float | None:
-    """T > 0: tau as the model had it before step_visits (every position of the trajectory weighted
-    alike), beside the renewal's, to see which the measured run follows."""
-    if not traces or traces[0].temperature == 0:
-        return None
-    per = [acc + 1 for tr in traces for acc, _, _ in (position_step(p, [], c) for p in tr.positions)]
-    return sum(per) / len(per)
+            "noise": noise, "step": sum(costs.step(c, w, h) for _, w, h in steps) / n,
+            "plain_step_model": costs.plain_step(), "plain_step_min": costs.plain_step_ms, "plain_step_in_traces": plain_run}
 
 
 def _base():
@@ -228,9 +218,8 @@ def main(argv=None) -> int:
                                   "measured_parts_ms": m["parts_ms"],
                                   "verify_by_width": verify_by_width(m["verify_ms_by_width"], cal.costs[T]),
                                   "others_cores": round(m["others_cores"], 3), "reruns": m["reruns"]})
-            avg = run["shapes"][-1]["own_traces"]["parts_ms"]["tau_position_average"] if o else None
-            own_cells = (f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%)"
-                         + (f"; tau as a position average {avg:.2f}" if avg else "") + " |") if o else " - |"
+            own_cells = (f" {o['tau']:.2f} / {o['speedup']:.2f}x ({100 * (o['speedup'] / m['speedup'] - 1):+.1f}%) |"
+                         if o else " - |")
             lines.append(f"| {T:g} | {c.label()}{' *' if c == cal.choice else ''} | {p['tau']:.2f} | {m['tau']:.2f} | "
                          f"{p['speedup']:.2f}x | {m['speedup']:.2f}x | {100 * err:+.1f}% |{own_cells}")
             vw = run["shapes"][-1]["verify_by_width"]

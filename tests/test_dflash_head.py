@@ -583,8 +583,8 @@ def test_cost_model_simulates_a_dflash_heads_steps_exactly(tiny_target):
             steps = simulate(trace, c)
             assert out == trace.tokens and stats.steps == len(steps), (c, prompt)
             if c.topk:  # the last step may accept past the end, which the simulation cuts
-                assert [w for _, w in seen] == [w for _, _, w, _ in steps], (c, prompt)
-                assert [t for t, _ in seen][:-1] == [t for _, t, _, _ in steps][:-1], (c, prompt)
+                assert [w for _, w in seen] == [w for _, w, _ in steps], (c, prompt)
+                assert [t for t, _ in seen][:-1] == [t for t, _, _ in steps][:-1], (c, prompt)
                 accepted += sum(t - 1 for t, _ in seen)
     assert accepted > 20  # drafts were accepted: the simulation had deep nodes to get right
 

@@ -676,9 +676,9 @@ def test_calibration_prompts_are_spread_over_the_list_in_turn_from_each_category
 
 def test_calibration_profiles_at_the_temperatures_eval_runs(target, fitted, capsys):
     """Eval's calibration (the issue: 'profiling is always greedy, whatever --temperature says')
-    traces and times at each requested temperature: at T = 1 the traces are sampled (reach
-    probabilities per position, the sampling noise timed), at T = 0 they are greedy, and the
-    printed prediction is of that run."""
+    traces and times at each requested temperature: at T = 1 the traces are sampled (another output
+    than the greedy one, the sampling noise timed), at T = 0 they are greedy, and the printed
+    prediction is of that run."""
     from draftkit.inference.calibrate import calibrate
     from draftkit.inference.evaluate import as_prompts
 
@@ -686,7 +686,6 @@ def test_calibration_profiles_at_the_temperatures_eval_runs(target, fitted, caps
     chosen, cal = calibrate(target, fitted, as_prompts(LOOP_PROMPTS), s, n=1, budget_s=20, progress=False)
     assert set(cal.traces) == set(cal.costs) == {0.0, 1.0}
     greedy, sampled = cal.traces[0.0][0], cal.traces[1.0][0]
-    assert greedy.temperature == 0.0 and all(p.reach is None for p in greedy.positions)
-    assert sampled.temperature == 1.0 and all(p.reach for p in sampled.positions)
+    assert greedy.temperature == 0.0 and sampled.temperature == 1.0 and sampled.tokens != greedy.tokens
     assert cal.costs[1.0].temperature == 1.0 and cal.costs[1.0].noise_ms_per_row > 0 == cal.costs[0.0].noise_ms_per_row
     assert "draft auto: " in capsys.readouterr().err and chosen.measured["calibration_prompts"] == 1

@@ -7,20 +7,25 @@ at the requested temperature): its output y is the trajectory. At EVERY position
 that would start with y[i] pending) the trace keeps the lookup proposal for every lookup length
 (NgramDrafter.propose on the same history the loop's lookup sees) and, for every topk, the head's
 whole EAGLE-2 candidate pool of depth D, ranked by score (the head fed exactly what the loop feeds
-it: every confirmed position's feature and next token). A tree of (topk, depth d <= D, budget b)
-keeps the b best pool nodes of depth <= d (growth to depth d is the same in both, and the pool is
-ranked as `tree._select` ranks it), so every candidate's tree at every position is known exactly,
-lookup's branch for its own length included.
-- T = 0: the output of every shape IS y (the walk accepts the longest path of target argmaxes), so a
-  candidate's run is simulated exactly: at position i it accepts the longest prefix of y[i+1:] that
-  its tree holds, and jumps to i + accepted + 1. Its steps and verify widths are those of a real run
-  (tests/test_cost.py checks this against the loop).
-- T > 0: the union of all candidates' trees at position i is verified in one forward; the walk
-  reaches a node with probability prod p(edge) along its path, and accepts one path, so P(a step
-  there accepts >= d drafts) is the summed reach of the candidate's nodes at depth d. The run over
-  the sampled trajectory is the renewal these laws give (step_visits: the probability that a step
-  starts at each position), so positions where many drafts are accepted start fewer steps; a plain
-  average over positions (the model before) overstated tau by 4-10% on lookup-heavy shapes.
+it: every confirmed position's feature and next token, teacher-forced from one target forward over
+y). A tree of (topk, depth d <= D, budget b) keeps the b best pool nodes of depth <= d (growth to
+depth d is the same in both, and the pool is ranked as `tree._select` ranks it), so every
+candidate's tree at every position is known exactly, lookup's branch for its own length included.
+- The run is simulated exactly, at every temperature: at position i a candidate accepts the longest
+  prefix of y[i+1:] that its tree holds, and the next step starts at i + accepted + 1. Its steps and
+  verify widths are those of a real run whose output is y (tests/test_cost.py checks both against
+  the loop). At T = 0 every shape's output IS y (the walk accepts the longest path of target
+  argmaxes). At T > 0 the tree walk (tree.py) draws each token from the target's own distribution
+  and descends while the draw is a child, and lookup alone's chain accepts a one-hot draft exactly
+  when p's draw is that token: so the loop's output is a plain sample, and a run whose output is y
+  accepts the longest prefix of y in each step's tree. A sampled y is therefore the trajectory of a
+  real run, and the simulation on it that run's steps (an unbiased estimate of the expected steps;
+  the law of y is the same whatever the shape). The model before weighted every position of y by
+  the expected reach of each node (prod p along its path) through a renewal over positions; that
+  treats the step at i as independent of which tokens y holds after i, where in a run a step spans
+  i + 1..i + a exactly when those tokens are its drafts. It put steps after draft-matching tokens
+  (where the next draft is easy), and over-predicted tau by 0.10-0.12 on an AMX CPU at T = 1, on the
+  measured prompts' own traces too (results/cost_model_accuracy_amx_bf16_depth_overhead_calib16.json).
 
 Cost per step, from timings: the loop's own verify step of w tokens (SpecDecoder.verify_step, the
 function the loop's verify timer spans: ancestor mask, forward on the loop's cache, walk, commit;
@@ -56,7 +61,7 @@ from draftkit.inference.decoder import Proposal, SpecDecoder, plain_generate
 from draftkit.inference.drafters import DraftSettings
 from draftkit.inference.errors import SpecError
 from draftkit.inference.ngram import NgramDrafter
-from draftkit.inference.sampling import SamplingParams, logits_to_probs, make_generators
+from draftkit.inference.sampling import SamplingParams, make_generators
 from draftkit.inference.timing import min_times, plain_runs, plain_step_median_ms, plain_step_ms
 from draftkit.inference.tree import DraftTree, TreeShape, add_branches, tree_noise
 
@@ -82,7 +87,6 @@ class Position:
 
     branches: dict[int, list[int]]
     ranked: dict[int, list[tuple[tuple[int, ...], int]]]
-    reach: dict[tuple[int, ...], float] | None = None  # T > 0: P(the walk reaches the node)
     _memo: dict = field(default_factory=dict, repr=False)
 
     def level(self, topk: int, depth: int) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], int]]:
@@ -133,13 +137,17 @@ def _branches(lookup: NgramDrafter, prompt: list[int], y: list[int], i: int, len
 @torch.inference_mode()
 def trace_prompt(target, head, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int,
                  topks, depth: int, lookup_lens=LOOKUP_LENS, lookup_ngram: int = 3, stop_ids=None,
-                 reach_budget: int = 64) -> Trace:
-    """Decode `prompt` plainly and record every position's drafts (module doc). At T > 0 also the
-    reach probabilities of the union of every candidate's nodes (budgets up to reach_budget)."""
+                 tokens: list[int] | None = None) -> Trace:
+    """Decode `prompt` plainly at `params` and record every position's drafts (module doc); with
+    `tokens`, record them for that output instead (a run's own output; plain decoding is not run,
+    plain_s is 0)."""
     t = time.perf_counter()
-    out, _, _ = plain_generate(target, [prompt], max_new_tokens, params, [seed], stop_ids)
-    plain_s = time.perf_counter() - t
-    y = out[0]
+    if tokens is None:
+        out, _, _ = plain_generate(target, [prompt], max_new_tokens, params, [seed], stop_ids)
+        y = out[0]
+    else:
+        y = list(tokens)
+    plain_s = time.perf_counter() - t if tokens is None else 0.0
     t = time.perf_counter()
     plain_generate(target, [prompt], 1, params, [seed], stop_ids)
     prefill_ms = 1e3 * (time.perf_counter() - t)
@@ -148,36 +156,16 @@ def trace_prompt(target, head, prompt: list[int], max_new_tokens: int, params: S
     dev = target.device
     P = len(prompt)
     ids, valid = left_pad([prompt], dev)
-    tc = TargetCache(target, 1, head.feature_layers)
-    if params.greedy:  # teacher-forced features of every position at once
-        _, feats = tc.forward(torch.tensor([list(prompt) + y[:-1]], device=dev),
-                              torch.ones(1, P + len(y) - 1, dtype=torch.bool, device=dev))
-        for k in topks:
-            _head_pools(head, positions, k, depth, ids, valid, y, feats)
-    else:
-        _, feats = tc.forward(ids, valid)
-        tc.commit(valid)
-        _sampled_pools(head, tc, positions, topks, depth, ids, valid, y, feats, params, reach_budget)
+    tc = TargetCache(target, 1, head.feature_layers)  # teacher-forced features of every position at once
+    _, feats = tc.forward(torch.tensor([list(prompt) + y[:-1]], device=dev),
+                          torch.ones(1, P + len(y) - 1, dtype=torch.bool, device=dev))
+    for k in topks:
+        _head_pools(head, positions, k, depth, ids, valid, y, feats)
     nxt = torch.cat([ids[:, 1:], ids.new_tensor([[y[0]]])], 1)
     t = time.perf_counter()
     head.tree_root(head.new_draft_state(1), feats[:, :P], nxt, valid)
     head_ms = 1e3 * (time.perf_counter() - t)
     return Trace(P, y, float(params.temperature), positions, plain_s, prefill_ms, head_ms)
-
-
-def _sampled_pools(head, tc, positions, topks, depth, ids, valid, y, feats, params, reach_budget) -> None:
-    """T > 0: at each position the head's pools, then the union verified (its root's feature is
-    the one the head reads next)."""
-    dev = ids.device
-    states = {k: head.new_draft_state(1) for k in topks}
-    root_feat = feats
-    for i, pos in enumerate(positions):
-        step_feats = feats if i == 0 else root_feat
-        for k in topks:
-            nxt = torch.cat([ids[:, 1:], ids.new_tensor([[y[0]]])], 1) if i == 0 else ids.new_tensor([[y[i]]])
-            v = valid if i == 0 else torch.ones(1, 1, dtype=torch.bool, device=dev)
-            pos.ranked[k] = rank_pool(head.draft_tree(states[k], step_feats, nxt, v, pool_shape(k, depth)))
-        pos.reach, root_feat = _verify_union(tc, pos, y[i], topks, depth, params, reach_budget)
 
 
 def _head_pools(head, positions, k, depth, ids, valid, y, feats) -> None:
@@ -193,43 +181,6 @@ def _head_pools(head, positions, k, depth, ids, valid, y, feats) -> None:
             tree = head.draft_tree(state, feats[:, P + i - 1: P + i], ids.new_tensor([[y[i]]]), one,
                                    pool_shape(k, depth))
         pos.ranked[k] = rank_pool(tree)
-
-
-def _union_paths(pos: Position, topks, depth: int, budget: int) -> list[tuple[int, ...]]:
-    """Every node some candidate keeps at this position (budget <= `budget`), parents first."""
-    paths = set()
-    for k in topks:
-        for d in range(1, depth + 1):
-            paths.update(pos.level(k, d)[0][:budget])
-    for br in pos.branches.values():
-        paths.update(tuple(br[:j]) for j in range(1, len(br) + 1))
-    return sorted(paths, key=lambda p: (len(p), p))
-
-
-def _verify_union(tc: TargetCache, pos: Position, root: int, topks, depth: int, params: SamplingParams,
-                  budget: int):
-    """T > 0: verify root + the union tree; returns (reach by path, the root slot's feature) and
-    leaves the cache holding the root only (the next position's context)."""
-    paths = _union_paths(pos, topks, depth, budget)
-    index = {p: i for i, p in enumerate(paths)}
-    dev = tc.next_pos.device
-    tree = DraftTree(torch.tensor([[p[-1] for p in paths]], device=dev),
-                     torch.tensor([[index.get(p[:-1], -1) for p in paths]], device=dev),
-                     torch.tensor([[len(p) for p in paths]], device=dev),
-                     torch.ones(1, len(paths), dtype=torch.uint8, device=dev))
-    ids = torch.cat([torch.tensor([[root]], device=dev), tree.tokens], 1)
-    positions = tc.next_pos[:, None] + torch.cat([tree.depth.new_zeros(1, 1), tree.depth], 1)
-    logits, feats = tc.verify(ids, torch.ones_like(ids, dtype=torch.bool), positions, tree.ancestor_mask())
-    probs = logits_to_probs(logits[0], params)  # (N+1, V) the walk's distribution at each slot
-    reach: dict[tuple[int, ...], float] = {}
-    edge = probs[torch.tensor([index[p[:-1]] + 1 if len(p) > 1 else 0 for p in paths], device=dev),
-                 tree.tokens[0]].tolist() if paths else []
-    for p, e in zip(paths, edge):
-        reach[p] = e * (reach[p[:-1]] if len(p) > 1 else 1.0)
-    root_feat = feats[:, :1] if feats is not None else None
-    tc.commit_path(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.ones(1, dtype=torch.long, device=dev),
-                   ids.shape[1])
-    return reach, root_feat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,12 +244,10 @@ def _verified(pos: Position, c: Candidate):
     return kept, branch_new, branch, rank, len(kept) + len(branch_new) + 1, head_on
 
 
-def position_step(pos: Position, future: list[int], c: Candidate) -> tuple[float, int, bool]:
-    """(accepted drafts (expected at T > 0), verify width, head drafted?) of c's step at pos;
-    future = y after the pending token (T = 0)."""
+def position_step(pos: Position, future: list[int], c: Candidate) -> tuple[int, int, bool]:
+    """(accepted drafts, verify width, head drafted?) of c's step at pos, in a run whose output
+    after the pending token is `future` (module doc: at every temperature)."""
     kept, branch_new, branch, rank, width, head_on = _verified(pos, c)
-    if pos.reach is not None:  # T > 0: expected accepted = sum of the nodes' reach probabilities
-        return sum(pos.reach.get(p, 0.0) for p in kept + branch_new), width, head_on
     acc_head = 0
     while acc_head < len(future) and rank.get(tuple(future[: acc_head + 1]), INF) < c.budget:
         acc_head += 1
@@ -308,51 +257,21 @@ def position_step(pos: Position, future: list[int], c: Candidate) -> tuple[float
     return max(acc_head, acc_lookup), width, head_on
 
 
-def accept_law(pos: Position, c: Candidate) -> list[float]:
-    """T > 0: P(a step of c at pos accepts exactly a drafts), a = 0, 1, ...: the walk accepts one
-    path, so P(accepted >= d) is the summed reach of the verified nodes at depth d."""
-    kept, branch_new, *_ = _verified(pos, c)
-    tail = [1.0]
-    for p in kept + branch_new:
-        tail += [0.0] * (len(p) + 1 - len(tail))
-        tail[len(p)] += pos.reach.get(p, 0.0)
-    return [tail[a] - (tail[a + 1] if a + 1 < len(tail) else 0.0) for a in range(len(tail))]
-
-
-def step_visits(laws: list[list[float]]) -> list[float]:
-    """P(a step starts at position i) of a run over n = len(laws) + 1 tokens whose step at i accepts
-    a drafts with probability laws[i][a] (cut at the end) and moves on a + 1: the renewal a run is.
-    Its sum is the expected number of steps; a plain average over positions would weight every
-    position alike and overstate tokens per step wherever acceptance varies along the output."""
-    n = len(laws)
-    v = [0.0] * (n + 1)
-    v[0] = 1.0
-    for i, law in enumerate(laws):
-        for a, p in enumerate(law):
-            v[min(i + a + 1, n)] += v[i] * p
-    return v[:n]
-
-
-def simulate(trace: Trace, c: Candidate) -> list[tuple[float, float, int, bool]]:
-    """The steps of c on the trace: per step (weight, tokens emitted, verify width, head drafted?).
-    T = 0: the exact run (every step starts where the last one ended), weight 1. T > 0: one entry
-    per position of the sampled trajectory, weighted by the probability that a step starts there
-    (step_visits over accept_law); the weights sum to the expected number of steps."""
+def simulate(trace: Trace, c: Candidate) -> list[tuple[int, int, bool]]:
+    """The steps of c in a run whose output is the trace's: per step (tokens emitted, verify width,
+    head drafted?). Every step starts where the last one ended (module doc)."""
     n, y = len(trace.tokens), trace.tokens
-    if trace.temperature > 0:
-        visits = step_visits([accept_law(p, c) for p in trace.positions])
-        return [(v, acc + 1, w, h) for v, (acc, w, h) in zip(visits, (position_step(p, [], c) for p in trace.positions))]
     steps, i = [], 0
     while i < n - 1:
         acc, w, h = position_step(trace.positions[i], y[i + 1:], c)
-        steps.append((1.0, int(acc) + 1, w, h))
-        i += int(acc) + 1
+        steps.append((acc + 1, w, h))
+        i += acc + 1
     return steps
 
 
 def simulated_steps(trace: Trace, c: Candidate) -> float:
-    """Verify steps c needs for the trace's output (T > 0: expected)."""
-    return sum(s[0] for s in simulate(trace, c))
+    """Verify steps c needs for the trace's output."""
+    return len(simulate(trace, c))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,9 +353,9 @@ def predict(traces: list[Trace], costs: Costs, c: Candidate, new_tokens: int | N
     spec_ms = plain_ms = steps_total = tokens = decode_ms = 0.0
     for tr in traces:
         steps = simulate(tr, c)
-        n_steps = sum(v for v, *_ in steps)
+        n_steps = len(steps)
         scale = (new_tokens - 1) / (len(tr.tokens) - 1) if new_tokens and len(tr.tokens) > 1 else 1.0
-        decode = sum(v * costs.step(c, w, h) for v, _, w, h in steps)
+        decode = sum(costs.step(c, w, h) for _, w, h in steps)
         spec_ms += tr.prefill_ms + (tr.head_prefill_ms if c.topk else 0.0) + scale * decode
         plain_ms += tr.prefill_ms + scale * (len(tr.tokens) - 1) * costs.plain_step()
         steps_total += n_steps
@@ -863,9 +782,7 @@ class _Calibrating:
         traced matters more than how far, and more than the default's seconds."""
         t_start, traces, traced_s, traced_tokens = time.perf_counter(), [], 0.0, 0
         lens = tuple(sorted(set(self.axes["lookup_lens"]) - {0}))
-        reach = max(64, max(c.budget for c in self.cands))
-        first_rate = 1e-3 * trace_ms_per_token(costs, self.axes["topks"], self.axes["depth"],
-                                               None if params.greedy else reach + max(lens, default=0) + 1)
+        first_rate = 1e-3 * trace_ms_per_token(costs, self.axes["topks"], self.axes["depth"])
         floor, said = min(MIN_TRACE_TOKENS, self.max_new_tokens), []
         for i, p in enumerate(self.prompts):
             rate = traced_s / traced_tokens if traces else first_rate
@@ -881,7 +798,7 @@ class _Calibrating:
             t_trace = time.perf_counter()
             traces.append(trace_prompt(self.target, self.head, p, n, params, self.seed + i,
                                        self.axes["topks"], self.axes["depth"], lookup_lens=lens,
-                                       lookup_ngram=self.base.lookup_ngram, reach_budget=reach))
+                                       lookup_ngram=self.base.lookup_ngram))
             traces[-1].category = self.categories[i] if self.categories is not None else None
             traced_s += time.perf_counter() - t_trace
             traced_tokens += len(traces[-1].tokens)
@@ -898,12 +815,10 @@ class _Calibrating:
         return traces, said
 
 
-def trace_ms_per_token(costs: Costs, topks, depth: int, union_width: int | None) -> float:
+def trace_ms_per_token(costs: Costs, topks, depth: int) -> float:
     """What trace_prompt spends per new token, from the measured costs (before any trace has run):
-    a plain step, each topk's pool of `depth`, and at T > 0 (union_width not None) the verify of
-    the union of every candidate's nodes at each position."""
-    ms = costs.plain_step_ms + sum(costs.draft_ms.get((k, depth), 0.0) for k in topks)
-    return ms + (costs.verify(union_width) if union_width is not None else 0.0)
+    a plain step and each topk's pool of `depth` (the teacher-forced forward is one prefill)."""
+    return costs.plain_step_ms + sum(costs.draft_ms.get((k, depth), 0.0) for k in topks)
 
 
 def _context(prompts: list[list[int]], max_new_tokens: int) -> list[int]:
