@@ -144,10 +144,9 @@ def trace_prompt(target, head, prompt: list[int], max_new_tokens: int, params: S
     t = time.perf_counter()
     if tokens is None:
         out, _, _ = plain_generate(target, [prompt], max_new_tokens, params, [seed], stop_ids)
-        y = out[0]
+        y, plain_s = out[0], time.perf_counter() - t
     else:
-        y = list(tokens)
-    plain_s = time.perf_counter() - t if tokens is None else 0.0
+        y, plain_s = list(tokens), 0.0
     t = time.perf_counter()
     plain_generate(target, [prompt], 1, params, [seed], stop_ids)
     prefill_ms = 1e3 * (time.perf_counter() - t)
@@ -169,7 +168,7 @@ def trace_prompt(target, head, prompt: list[int], max_new_tokens: int, params: S
 
 
 def _head_pools(head, positions, k, depth, ids, valid, y, feats) -> None:
-    """T = 0: the head's pool at every position, fed the teacher-forced features (1, P + n - 1, F)
+    """The head's pool at every position, fed the teacher-forced features (1, P + n - 1, F)
     as the loop feeds them: the prompt's at the first step, then position P + i - 1 and y[i]."""
     state = head.new_draft_state(1)
     P, one = ids.shape[1], torch.ones(1, 1, dtype=torch.bool, device=ids.device)
