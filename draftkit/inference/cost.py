@@ -32,11 +32,13 @@ function the loop's verify timer spans: ancestor mask, forward on the loop's cac
 timed greedy on a LoopState of the calibration context), the head's tree drafting per (topk,
 depth) (or only consuming the confirmed positions), the lookup's proposal and merge, the loop's own
 overhead (bookkeeping between the parts: the median residual of a real run of the loop, measured for
-a depth-1 tree, a mid-size hybrid and lookup alone: Costs.overhead) and, at
-T > 0, the noise rows a step draws (the walk's k + 1, a lookup chain's sampler one: Candidate.noise_rows). Plain decoding's step is timed with plain_generate itself and
-priced the same way: its minimum plus the median residual of a real plain run (Costs.plain_step). Every cost is
-measured in several interleaved rounds and the minimum kept (load from other processes only ever
-adds time: inference/timing.py, which the decode-stage dtype choice times with too); the profile is checked for consistency and `warnings` says where it is not.
+a depth-1 tree, a mid-size hybrid and lookup alone: Costs.overhead) and, at T > 0, the noise rows a
+step draws (the walk's k + 1, a lookup chain's sampler one: Candidate.noise_rows). Plain decoding's
+step is timed with plain_generate itself and priced the same way: its minimum plus the median
+residual of a real plain run (Costs.plain_step). Every cost is measured in several interleaved rounds
+and the minimum kept (load from other processes only ever adds time: inference/timing.py, which the
+decode-stage dtype choice times with too); the profile is checked for consistency and `warnings`
+says where it is not.
 
 The pick maximises the predicted speedup (mean over the requested temperatures) for runs of
 auto_draft's run_tokens new tokens, a trace cut short standing for the whole run at its own rate
@@ -566,8 +568,8 @@ def _verify_fn(dec: SpecDecoder, s, w: int):
 def measure_loop(target, head, context: list[int], costs: Costs, params: SamplingParams, c: Candidate,
                  lookup_ngram: int = 3, tokens: int = 32, rounds: int = 2) -> float:
     """Run the real loop with c (head drafting every step) and return its loop overhead: the median
-    over steps of each step's wall time (observer to observer) beyond its timed parts (Costs.parts). The median, as the parts are minima: a step slowed by another process must
-    not count as overhead."""
+    over steps of each step's wall time (observer to observer) beyond its timed parts (Costs.parts).
+    The median, as the parts are minima: a step slowed by another process must not count as overhead."""
     from draftkit.inference.drafters import HybridDrafter
 
     if c.chain:  # lookup alone runs the chain path (DraftSettings.decoder_args): its own overhead
