@@ -7,7 +7,7 @@ lookup, over sizes, batch 1, all interleaved prompt by prompt in ONE run.
 
 Several heads side by side, interleaved in the same run (a config names its head with head=NAME):
 
-    python benchmarks/e2e_speedup.py --head eagle3=runs/eagle3/head dflash=runs/dflash/head \
+    python benchmarks/e2e_speedup.py --head eagle3=runs/eagle3/head dflash=runs/dflash/head \\
         --configs "chain k=7 head=eagle3" "chain k=7 head=dflash"
 
 A config is a mode (chain | tree | hybrid | lookup) followed by DraftSettings fields. For every
@@ -163,7 +163,8 @@ def main() -> None:
         mism = f"{r.get('greedy_mismatches', '-')}/{r.get('greedy_near_ties', '-')}"
         per = "  ".join(f"{(r['per_category'][c].get('speedup') or 1.0):9.2f}x" for c in cats)
         print(f"{n:<58} {r.get('tau', 1.0):5.2f} {r['tokens_per_s']:6.1f} {r.get('speedup') or 1.0:6.2f}x {mism:>9}  {per}")
-    result = {"heads": head_dirs, "config_heads": {n: uses[n] for n in configs}, "target": target.info(), "dtype": args.dtype, "threads": args.threads,
+    result = {"heads": head_dirs, "config_heads": {n: uses[n] for n in configs}, "target": target.info(),
+              "dtype": args.dtype, "threads": args.threads,
               "temperature": args.temperature, "prompts": args.prompts, "limit": args.limit,
               "num_prompts": len(items), "max_new_tokens": args.max_new_tokens,
               "machine": platform.processor() or platform.machine(), "cpu_flags": cpu_flags(),
