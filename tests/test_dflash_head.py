@@ -160,6 +160,32 @@ def test_engine_loop_decoder_drafts_vllms_block(target):
     assert not torch.equal(engine, drafts(SpecDecoder(target, head, k=2, stop_ids=[]), head))
 
 
+def test_attention_window_block_queries_see_only_their_window(target):
+    """head.attention_window = W (set by the engine loop where vLLM puts the target's window on the
+    drafter): each block query at position n + j sees only the context keys fewer than W positions
+    behind it. Reference without the mask: the one-layer head run on that query's window ALONE
+    (positions counted per row, not by cache slot: row 1 is padded in the first call)."""
+    W = 5
+    head = head_for(target, num_layers=1)
+    f = feats_of(target, head, T=12, seed=4)
+    feats, ids = f.hidden[:2], f.input_ids[:2]  # row 1 of batch() is padded at its end: unused here
+    head.attention_window = W
+    state = head.new_draft_state(2)
+    head.consume(state, feats[:, :6], torch.tensor([[1] * 6, [1] * 4 + [0] * 2], dtype=torch.bool))
+    got = head.block_logits(state, feats[:, 6:9], ids[:, 7:10], torch.ones(2, 3, dtype=torch.bool), 3)  # (2, 3, V)
+    head.attention_window = None
+    for r, n1 in ((0, 6), (1, 4)):
+        pick = list(range(n1)) + [6, 7, 8]  # row r's confirmed positions 0..n-1 in order
+        fr, ir, n = feats[r:r + 1, pick], ids[r:r + 1, [i + 1 for i in pick]], n1 + 3
+        for j in (1, 2, 3):  # query j sits at position n + j: it sees positions n + j - W + 1 .. n - 1
+            lo = n + j - W + 1
+            alone = head.block_logits(head.new_draft_state(1), fr[:, lo:], ir[:, lo:],
+                                      torch.ones(1, n - lo, dtype=torch.bool), 3)
+            torch.testing.assert_close(got[r, j - 1], alone[0, j - 1], rtol=1e-4, atol=1e-4)
+        whole = head.block_logits(head.new_draft_state(1), fr, ir, torch.ones(1, n, dtype=torch.bool), 3)
+        assert not torch.allclose(got[r], whole[0], rtol=1e-3, atol=1e-3)  # the window changes the drafts
+
+
 def test_block_loss_equals_a_hand_computation(target):
     """eval mode takes every anchor: loss = sum_{a,i} w_i KL(p_target(x_{a+i}) || p̂_{a,i}) / sum w,
     w_i = exp(-(i-1)/gamma), over a >= 1 with x_{a+1} a loss token and x_{a+i} a real loss token;

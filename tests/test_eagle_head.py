@@ -29,17 +29,20 @@ def test_eagle_loss_decreases_and_save_load_roundtrip(tiny_target, tmp_path):
     torch.testing.assert_close(again.loss(feats)["loss"], head.loss(feats)["loss"], rtol=0, atol=0)
 
 
-def prefix_forward(head, f, ids):
+def prefix_forward(head, f, ids, window: int | None = None):
     """Reference without any mask formula: each layer's output at t is that layer run on the previous
-    layer's outputs at 0..t ALONE, every key visible (nothing after t exists), last row taken.
+    layer's outputs at 0..t ALONE (window: at the last `window` positions t-window+1..t alone), every
+    key visible (nothing else exists), last row taken.
     f (B, n, H) features, ids (B, n) next tokens -> (B, n, H)."""
     B, n = ids.shape
     dtype = head.fc.weight.dtype
     x = head.fc(torch.cat([head.embed(ids, dtype), f.to(dtype)], dim=-1))  # position-wise
     cos, sin = head.cos_sin(torch.arange(n).expand(B, -1), dtype)
+    lo = [0 if window is None else max(0, t - window + 1) for t in range(n)]
     for layer in head.layers:
-        x = torch.stack([layer(x[:, :t + 1], x[:, :t + 1], cos[:, :t + 1], sin[:, :t + 1],
-                               torch.ones(B, 1, t + 1, t + 1, dtype=torch.bool))[:, -1] for t in range(n)], 1)
+        x = torch.stack([layer(x[:, lo[t]:t + 1], x[:, lo[t]:t + 1], cos[:, lo[t]:t + 1], sin[:, lo[t]:t + 1],
+                               torch.ones(B, 1, t + 1 - lo[t], t + 1 - lo[t], dtype=torch.bool))[:, -1]
+                         for t in range(n)], 1)
     return x
 
 
@@ -99,6 +102,41 @@ def test_eagle_ragged_rows_equal_single_rows(tiny_target):
     head.draft(s, f[1:2, :4], ids[1:2, 1:5], torch.ones(1, 4, dtype=torch.bool), 3, greedy)
     t2, _ = head.draft(s, f[1:2, 6:9], ids[1:2, 7:10], torch.ones(1, 3, dtype=torch.bool), 3, greedy)
     assert torch.equal(t2[0], tok_b2[1])
+
+
+def test_eagle_attention_window_drafts_as_the_head_run_on_each_window_alone(tiny_target):
+    """head.attention_window = W (the window vLLM puts on a drafter on a sliding-window target: the
+    engine loop sets it): every cached and chained step equals the head run on its last W positions
+    alone, counted in positions, not cache slots (row 1 is padded in the first call, so its later
+    slots sit two past its positions), and the window changes the logits (it is not a no-op here)."""
+    W = 4
+    head = build_head({"type": "eagle", "num_layers": 2}, tiny_target)
+    ids, _, _ = batch(tiny_target, B=2, T=12, seed=3)
+    f = tiny_target.features(ids, None, head.feature_layers).hidden
+    seen = []
+
+    def record(logits):
+        seen.append(logits)
+        return greedy(logits)
+
+    head.attention_window = W
+    state = head.new_draft_state(2)
+    head.draft(state, f[:, :6], ids[:, 1:7], torch.tensor([[1] * 6, [1] * 4 + [0] * 2], dtype=torch.bool), 1, record)
+    toks, _ = head.draft(state, f[:, 6:9], ids[:, 7:10], torch.ones(2, 3, dtype=torch.bool), 3, record)
+    head.attention_window = None
+    for r, n1 in ((0, 6), (1, 4)):  # row r's pairs in order: n1 from the first call, 3 from the second
+        pick = list(range(n1)) + [6, 7, 8]
+        fr, ir = f[r:r + 1, pick], ids[r:r + 1, [i + 1 for i in pick]]
+        first = prefix_forward(head, fr[:, :n1], ir[:, :n1], W)[0, -1]
+        torch.testing.assert_close(seen[0][r], tiny_target.logits(first).float(), rtol=1e-4, atol=1e-4)
+        full = prefix_forward(head, fr, ir, W)  # (1, n1 + 3, H)
+        torch.testing.assert_close(seen[1][r], tiny_target.logits(full[0, -1]).float(), rtol=1e-4, atol=1e-4)
+        # the chained second draft: f-hat and the first draft fed back in, still windowed
+        f2, i2 = torch.cat([fr, full[:, -1:]], 1), torch.cat([ir, toks[r:r + 1, :1]], 1)
+        torch.testing.assert_close(seen[2][r], tiny_target.logits(prefix_forward(head, f2, i2, W)[0, -1]).float(),
+                                   rtol=1e-4, atol=1e-4)
+        whole = prefix_forward(head, fr, ir)[0, -1]  # the whole context: other logits
+        assert not torch.allclose(seen[1][r], tiny_target.logits(whole).float(), rtol=1e-3, atol=1e-3)
 
 
 def test_target_fingerprint_is_the_same_in_fp32_and_bf16():

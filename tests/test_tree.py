@@ -299,12 +299,15 @@ def test_topk_one_tree_is_the_greedy_chain(family, extra):
     assert tree.parents.tolist() == [[-1, 0, 1, 2]] * 2
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("family", ["eagle", "eagle3", "mtp"])
-def test_tree_children_are_the_heads_predictions_after_each_path(family):
+def test_tree_children_are_the_heads_predictions_after_each_path(family, window):
     """Sequential check: feed each depth-2 node's path token by token as a chain (teacher forcing)
-    and compare the head's top-k there with the node's children in the tree."""
+    and compare the head's top-k there with the node's children in the tree; with an attention
+    window (heads/layers.py: ChainState.window) as well, which tree nodes must apply as chains do."""
     target = varied_target()
     head = build_head({"type": family}, target).eval()
+    head.attention_window = window
     prompt = make_prompts()[1:2]
     from draftkit.inference.cache import TargetCache, left_pad
     ids, valid = left_pad(prompt, target.device)

@@ -58,11 +58,15 @@ class EngineEvalSettings:
 def loop_decoder(target, head, k: int, stop_ids: list[int]):
     """draftkit's chain of k under vLLM's rule: greedy drafts (draft_sampling="greedy", where the
     loop has it; at T = 0 every rule drafts the argmax), standard rejection sampling. A DFlash head
-    drafts vLLM's block of 1 + k slots (sets head.engine_block; the trained block when k = B - 1)."""
+    drafts vLLM's block of 1 + k slots (sets head.engine_block; the trained block when k = B - 1).
+    On a target whose sliding window vLLM puts on the drafter, the head attends within it as the
+    served drafter does (sets head.attention_window: export/vllm.py, draft_window)."""
+    from draftkit.export.vllm import draft_window
     from draftkit.inference.decoder import SpecDecoder
 
     if hasattr(head, "engine_block"):
         head.engine_block = True
+    head.attention_window = draft_window(getattr(target, "config", None))
     kw = {"draft_sampling": "greedy"} if "draft_sampling" in inspect.signature(SpecDecoder).parameters else {}
     dec = SpecDecoder(target, head, k=k, stop_ids=stop_ids, **kw)
     dec.engine_rule = bool(kw)  # False: this loop samples its drafts; only T = 0 is the engine's rule

@@ -186,8 +186,11 @@ def draft_window(target_config) -> int | None:
     without a per-layer window takes that model-level one (vllm/model_executor/layers/attention/
     attention.py, Attention.__init__). The drafters (llama_eagle.py, llama_eagle3.py, qwen3_dflash.py)
     build theirs with the target's cache_config and no per-layer window, so they attend to the last
-    `window` tokens only, while draftkit's heads attend to the whole context: past that many tokens
-    the served head accepts differently from our loop (measured: tests/test_engine_vllm_archs.py)."""
+    `window` positions only (keys fewer than `window` positions behind the query), while draftkit's
+    heads are trained on, and by default draft with, the whole context. The engine loop
+    (engines/vllm_eval.py: loop_decoder) sets head.attention_window to it, and then vLLM's counts equal
+    our loop's past the window too (tests/test_engine_vllm_archs.py: EAGLE, EAGLE-3 and DFlash on a
+    Mistral target whose window every answer crosses)."""
     window = getattr(target_config, "sliding_window", None)
     if not window or getattr(target_config, "use_sliding_window", True) is False:
         return None
@@ -204,6 +207,7 @@ def window_note(target, family: str, longest: int | None = None) -> str | None:
     crossed = ("" if longest is None else
                f"; this run's longest context is {longest} tokens, so it is {'' if longest > window else 'not '}crossed")
     return (f"the target {getattr(target, 'name', '')} has a sliding window of {window} tokens on every layer, and "
-            f"vLLM puts it on the drafter's attention too (draftkit's head attends to the whole context): past "
-            f"{window} tokens of context the served head accepts differently from our loop{crossed}")
+            f"vLLM puts it on the drafter's attention too, where the head was trained on the whole context: past "
+            f"{window} tokens of context the served head accepts as draftkit's loop under vLLM's rule does "
+            f"(`eval --engine vllm` applies the window), not as draftkit's own drafting modes measure{crossed}")
 

@@ -107,6 +107,10 @@ class DraftHead(nn.Module):
     # Positions whose top-1 agreement the trainer's held-aside eval reports apart (heldout_acc_{i}):
     # for each i, loss() returns acc_{i} and tokens_{i}, the rows it was measured on. () = top-1 only.
     agreement_positions: tuple[int, ...] = ()
+    # Drafting only: None = the head's attention sees the whole context (as in training); else only
+    # keys fewer than this many positions behind each query. The engine loop sets it to the window
+    # vLLM puts on a served drafter (export/vllm.py: draft_window); heads without attention ignore it.
+    attention_window: int | None = None
 
     def __init__(self, config: HeadConfig, shared: SharedModules | None = None):
         super().__init__()

@@ -71,7 +71,7 @@ import torch
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
-from draftkit.heads.layers import MLP, LayerDims, LayerKV, RMSNorm, apply_rope, last_valid
+from draftkit.heads.layers import MLP, LayerDims, LayerKV, RMSNorm, apply_rope, last_valid, within_window
 from draftkit.heads.losses import kl_rows
 from draftkit.heads.vocab import DraftVocab, check_draft_vocab_size
 
@@ -131,7 +131,8 @@ def block_attention(q: Tensor, k_blk: Tensor, v_blk: Tensor, k_ctx: Tensor, v_ct
     and every key of its own block, nothing of the other blocks; no dense (A*B, S + A*B) mask.
 
     q (N, h, A*B, d); k_blk, v_blk (N, kv, A*B, d); k_ctx, v_ctx (N, kv, S, d);
-    ctx_visible (N, A, S) bool -> (N, h, A*B, d).
+    ctx_visible (N, A, S) bool, the same for a block's every query, or (N, A, B, S) per query
+    (a sliding window) -> (N, h, A*B, d).
     """
     N, h, AB, d = q.shape
     kv, A = k_blk.shape[1], AB // block
@@ -139,7 +140,8 @@ def block_attention(q: Tensor, k_blk: Tensor, v_blk: Tensor, k_ctx: Tensor, v_ct
     kb, vb = k_blk.view(N, kv, A, block, d), v_blk.view(N, kv, A, block, d)
     scale = d ** -0.5
     s_ctx = torch.einsum("nkgabd,nksd->nkgabs", qg, k_ctx) * scale  # (N, kv, g, A, B, S)
-    s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, None, :, None, :], float("-inf"))
+    vis = ctx_visible[:, :, None] if ctx_visible.dim() == 3 else ctx_visible  # (N, A, 1 | B, S)
+    s_ctx = s_ctx.masked_fill(~vis[:, None, None], float("-inf"))
     s_blk = torch.einsum("nkgabd,nkacd->nkgabc", qg, kb) * scale  # (N, kv, g, A, B, B)
     p = torch.cat([s_ctx, s_blk], dim=-1).float().softmax(-1).to(q.dtype)
     S = k_ctx.shape[2]
@@ -199,11 +201,14 @@ class DFlashLayer(nn.Module):
 
 @dataclass
 class DFlashState:
-    """Per layer, the context K/V of every confirmed position fed so far (never a block's)."""
+    """Per layer, the context K/V of every confirmed position fed so far (never a block's).
+    window: as ChainState's (heads/layers.py), by rotary position."""
 
     kv: list[LayerKV]
     slot_valid: Tensor  # (B, S) bool: slot holds a real confirmed position
     next_pos: Tensor  # (B,) rotary position of the next confirmed position = of the pending token
+    window: int | None = None
+    slot_pos: Tensor | None = None  # (B, S) rotary position of every slot (kept when window is set)
 
 
 class DFlashHead(DraftVocab, DraftHead):
@@ -279,7 +284,7 @@ class DFlashHead(DraftVocab, DraftHead):
     def run_blocks(self, first_ids: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
                    ctx_visible: Tensor, block: int | None = None) -> Tensor:
         """first_ids (N, A), positions (N, A*block) of the block slots, per-layer context K/V,
-        ctx_visible (N, A, S) -> (N, A*block, H) final-norm outputs. block: slots per block (B)."""
+        ctx_visible (N, A, S) or (N, A, block, S) -> (N, A*block, H) final-norm outputs. block: slots per block (B)."""
         block = block or self.config.block_size
         x = self.block_inputs(first_ids, block)
         cos, sin = self.cos_sin(positions, x.dtype)
@@ -365,7 +370,7 @@ class DFlashHead(DraftVocab, DraftHead):
     def new_draft_state(self, batch_size: int) -> DFlashState:
         dev = self.fc.weight.device
         return DFlashState([LayerKV() for _ in self.layers], torch.zeros(batch_size, 0, dtype=torch.bool, device=dev),
-                           torch.zeros(batch_size, dtype=torch.long, device=dev))
+                           torch.zeros(batch_size, dtype=torch.long, device=dev), window=self.attention_window)
 
     def consume(self, state: DFlashState, feats: Tensor, valid: Tensor) -> None:
         """Append the context K/V of the newly confirmed positions (B, n) (valid marks real ones)."""
@@ -375,6 +380,8 @@ class DFlashHead(DraftVocab, DraftHead):
         for layer, cache in zip(self.layers, state.kv):
             cache.extend(*layer.context_kv(ctx, cos, sin))
         state.slot_valid = torch.cat([state.slot_valid, valid.bool()], dim=1)
+        if state.window is not None:
+            state.slot_pos = positions if state.slot_pos is None else torch.cat([state.slot_pos, positions], dim=1)
         state.next_pos = state.next_pos + valid.long().sum(1)
 
     def block_logits(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int) -> Tensor:
@@ -387,7 +394,9 @@ class DFlashHead(DraftVocab, DraftHead):
         block = k + 1 if self.engine_block else self.config.block_size
         positions = state.next_pos[:, None] + torch.arange(block, device=pending.device)
         kv = [(c.k, c.v) for c in state.kv]
-        h = self.run_blocks(pending[:, None], positions, kv, state.slot_valid[:, None], block)  # (B, block, H)
+        near = within_window(positions, state.slot_pos, state.window)  # (B, block, S) | None
+        visible = state.slot_valid[:, None] if near is None else (state.slot_valid[:, None] & near)[:, None]
+        h = self.run_blocks(pending[:, None], positions, kv, visible, block)  # (B, block, H)
         return self.vocab_logits(h[:, 1:k + 1])
 
     @torch.no_grad()

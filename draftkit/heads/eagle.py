@@ -160,10 +160,10 @@ class EagleHead(DraftVocab, DraftHead):
         dev = self.fc.weight.device
         return ChainState([LayerKV() for _ in self.layers],
                           torch.zeros(batch_size, 0, dtype=torch.bool, device=dev),
-                          torch.zeros(batch_size, dtype=torch.long, device=dev))
+                          torch.zeros(batch_size, dtype=torch.long, device=dev), window=self.attention_window)
 
     def _step(self, state: ChainState, feats: Tensor, ids: Tensor, valid: Tensor, positions: Tensor) -> Tensor:
-        return self(feats, ids, positions, state.feed(valid), state.kv)
+        return self(feats, ids, positions, state.feed(valid, positions), state.kv)
 
     def _consume(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
         """Drop last call's speculation, feed the newly confirmed (feature, next token) pairs (B, n);
@@ -211,4 +211,4 @@ class EagleHead(DraftVocab, DraftHead):
 
     def tree_step(self, state: ChainState, parent_h: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
         positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)
-        return self(parent_h, tokens, positions, state.feed_tree(visible), state.kv)
+        return self(parent_h, tokens, positions, state.feed_tree(visible, positions), state.kv)

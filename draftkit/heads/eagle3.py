@@ -191,10 +191,10 @@ class Eagle3Head(DraftVocab, DraftHead):
     def new_draft_state(self, batch_size: int) -> ChainState:
         dev = self.fc.weight.device
         return ChainState([LayerKV()], torch.zeros(batch_size, 0, dtype=torch.bool, device=dev),
-                          torch.zeros(batch_size, dtype=torch.long, device=dev))
+                          torch.zeros(batch_size, dtype=torch.long, device=dev), window=self.attention_window)
 
     def _step(self, state: ChainState, hidden: Tensor, ids: Tensor, valid: Tensor, positions: Tensor) -> Tensor:
-        return self(hidden, ids, positions, state.feed(valid), state.kv[0])
+        return self(hidden, ids, positions, state.feed(valid, positions), state.kv[0])
 
     def _consume(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
         """Drop last call's speculation, feed the newly confirmed (fused feature, next token) pairs
@@ -235,4 +235,4 @@ class Eagle3Head(DraftVocab, DraftHead):
 
     def tree_step(self, state: ChainState, parent_o: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
         positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)
-        return self(parent_o, tokens, positions, state.feed_tree(visible), state.kv[0])
+        return self(parent_o, tokens, positions, state.feed_tree(visible, positions), state.kv[0])

@@ -211,33 +211,57 @@ def cached_mask(slot_valid: Tensor, num_new: int) -> Tensor:
     return ((causal[None] & slot_valid[:, None, :].bool()) | own[None]).unsqueeze(1)
 
 
+def within_window(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor | None:
+    """(B, m) query and (B, S) key rotary positions -> (B, m, S) bool: the key is fewer than `window`
+    positions behind the query (a sliding window of `window` keys, the query's own included, as
+    transformers' and vLLM's sliding attention count it); None when there is no window."""
+    return None if window is None else (q_pos[:, :, None] - k_pos[:, None, :]) < window
+
+
 @dataclass
 class ChainState:
-    """Draft-time KV cache of a chain head, with per-row positions and hole-aware validity."""
+    """Draft-time KV cache of a chain head, with per-row positions and hole-aware validity.
+
+    window: None = every query sees the whole context; else a query sees only keys fewer than
+    `window` positions behind it, by rotary position (not slot: rows have holes). The engine loop
+    sets it where vLLM puts the target's sliding window on the drafter (export/vllm.py: draft_window)."""
 
     kv: list[LayerKV]
     slot_valid: Tensor  # (B, S) bool: slot holds a real (confirmed or current-speculative) entry
     next_pos: Tensor  # (B,) rotary position of the next confirmed entry of each row
     confirmed: int = 0  # slots [0, confirmed) are confirmed; later ones are last call's speculation
+    window: int | None = None
+    slot_pos: Tensor | None = None  # (B, S) rotary position of every slot (kept when window is set)
 
     def drop_speculation(self) -> None:
         for layer in self.kv:
             layer.truncate(self.confirmed)
         self.slot_valid = self.slot_valid[:, : self.confirmed]
+        if self.slot_pos is not None:
+            self.slot_pos = self.slot_pos[:, : self.confirmed]
 
-    def feed(self, valid: Tensor) -> Tensor:
-        """Append slots for (B, n) entries (valid marks real ones): their (B, 1, n, S) causal mask."""
+    def _windowed(self, mask: Tensor, positions: Tensor) -> Tensor:
+        """mask (B, 1, m, S) of the m slots just appended at positions (B, m), cut to the window."""
+        if self.window is None:
+            return mask
+        pos = positions.to(self.slot_valid.device).long()
+        self.slot_pos = pos if self.slot_pos is None else torch.cat([self.slot_pos, pos], dim=1)
+        return mask & within_window(pos, self.slot_pos, self.window)[:, None]
+
+    def feed(self, valid: Tensor, positions: Tensor) -> Tensor:
+        """Append slots for (B, n) entries at rotary positions (B, n) (valid marks real ones): their
+        (B, 1, n, S) causal mask."""
         self.slot_valid = torch.cat([self.slot_valid, valid.bool()], dim=1)
-        return cached_mask(self.slot_valid, valid.shape[1])
+        return self._windowed(cached_mask(self.slot_valid, valid.shape[1]), positions)
 
-    def feed_tree(self, visible: Tensor) -> Tensor:
-        """Append m speculative tree slots; visible (B, m, n_spec + m) = which speculative slots of
-        this tree each sees (its ancestors and itself). Returns their (B, 1, m, S) mask: the
-        confirmed valid slots plus those."""
+    def feed_tree(self, visible: Tensor, positions: Tensor) -> Tensor:
+        """Append m speculative tree slots at rotary positions (B, m); visible (B, m, n_spec + m) =
+        which speculative slots of this tree each sees (its ancestors and itself). Returns their
+        (B, 1, m, S) mask: the confirmed valid slots plus those."""
         B, m, _ = visible.shape
         conf = self.slot_valid[:, : self.confirmed]  # (B, C)
         self.slot_valid = torch.cat([self.slot_valid, visible.new_ones(B, m)], dim=1)
-        return torch.cat([conf[:, None, :].expand(B, m, -1), visible], dim=2)[:, None]
+        return self._windowed(torch.cat([conf[:, None, :].expand(B, m, -1), visible], dim=2)[:, None], positions)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:

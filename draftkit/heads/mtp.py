@@ -150,13 +150,13 @@ class MTPHead(DraftHead):
     def new_draft_state(self, batch_size: int) -> MTPState:
         w = self.layers[0].eh_proj.weight
         zeros = torch.zeros(batch_size, dtype=torch.long, device=w.device)
-        chains = [ChainState([LayerKV()], torch.zeros(batch_size, 0, dtype=torch.bool, device=w.device), zeros)
-                  for _ in self.layers]
+        chains = [ChainState([LayerKV()], torch.zeros(batch_size, 0, dtype=torch.bool, device=w.device), zeros,
+                             window=self.attention_window) for _ in self.layers]
         pending = [w.new_zeros(batch_size, self.config.hidden_size) for _ in self.layers]
         return MTPState(chains, pending, [zeros.bool() for _ in self.layers], zeros)
 
     def _step(self, chain: ChainState, d: int, hidden: Tensor, ids: Tensor, ok: Tensor, positions: Tensor) -> Tensor:
-        return self(d, hidden, ids, positions, chain.feed(ok), chain.kv[0])
+        return self(d, hidden, ids, positions, chain.feed(ok, positions), chain.kv[0])
 
     def _consume(self, state: MTPState, feats: Tensor, next_tokens: Tensor, valid: Tensor) -> Tensor:
         """Drop last call's speculation, feed the confirmed entries to every depth; returns (B, H)
@@ -226,4 +226,4 @@ class MTPHead(DraftHead):
         D = len(self.layers)  # == 1 (max_tree_depth): the last module chains on its own output
         chain = state.chains[D - 1]
         positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)
-        return self(D - 1, parent_h, tokens, positions, chain.feed_tree(visible), chain.kv[0])
+        return self(D - 1, parent_h, tokens, positions, chain.feed_tree(visible, positions), chain.kv[0])
