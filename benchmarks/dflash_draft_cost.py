@@ -2,6 +2,7 @@
 
     python benchmarks/dflash_draft_cost.py --out benchmarks/results/dflash_draft_cost.json
     python benchmarks/dflash_draft_cost.py --dtype float32 --out benchmarks/results/dflash_draft_cost_avx2_fp32.json
+    python benchmarks/dflash_draft_cost.py --prompt-file benchmarks/results/specbench_dev60.jsonl --limit 10
 
 Both heads are built fresh (untrained) from the `head:` sections of recipes/dflash.yaml and
 recipes/eagle3.yaml on the embedded target in --dtype (default bf16; float32 on a CPU without
@@ -9,6 +10,9 @@ native bf16, e.g. AVX2-only, where bf16 matmuls are emulated): drafting cost doe
 For each k, each head decodes the same prompts with SpecDecoder (chain of k, T = 0), interleaved
 head by head; reported: draft_ms_per_step (head.draft, consuming the confirmed positions included)
 and verify_ms_per_step. EAGLE-3 pays one head forward per drafted token, DFlash one per block.
+Prompts: one short built-in prompt, decoded --prompts times; or --prompt-file (a prompt file as
+`draftkit eval --prompts` reads it), --limit of them spread over the file, each decoded once: the
+contexts of served traffic, whose length the heads' attention and first consume pay for.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4, 7])
     ap.add_argument("--prompts", type=int, default=4, help="copies of the prompt, decoded one by one")
+    ap.add_argument("--prompt-file", type=Path, default=None, help="prompts instead of the built-in one")
+    ap.add_argument("--limit", type=int, default=10, help="with --prompt-file: how many, spread over the file")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="target and heads (float32 where the CPU has no native bf16)")
@@ -47,14 +53,21 @@ def main() -> None:
         head = build_head(dict(load_recipe(ROOT / "recipes" / f"{name}.yaml").head), target)
         head.set_draft_vocab(tokens=torch.arange(target.vocab_size))  # any 8k tokens: cost only
         heads[name] = head.to(dtype).eval()
-    ids = target.tokenizer(PROMPT)["input_ids"]
+    if a.prompt_file is None:
+        prompts = [target.tokenizer(PROMPT)["input_ids"]] * a.prompts
+    else:
+        from draftkit.inference.evaluate import encode, read_prompt_file
+
+        every = read_prompt_file(a.prompt_file)
+        step = max(1, len(every) // a.limit)
+        prompts = [encode(target.tokenizer, p) for p in every[::step][:a.limit]]
     rows = []
     for k in a.ks:
         for name, head in heads.items():
             dec = SpecDecoder(target, head, k=k, stop_ids=[])
-            dec.generate([ids], 4)  # warm-up
+            dec.generate(prompts[:1], 4)  # warm-up
             steps = draft = verify = 0.0
-            for _ in range(a.prompts):
+            for ids in prompts:
                 _, st = dec.generate([ids], a.max_new_tokens)
                 steps, draft, verify = steps + st.steps, draft + st.draft_s, verify + st.verify_s
             rows.append({"head": name, "k": k, "draft_ms_per_step": 1e3 * draft / steps,
@@ -66,7 +79,9 @@ def main() -> None:
     print("dflash / eagle3 draft ms per step: " + ", ".join(f"k={k} {v:.2f}x" for k, v in ratio.items()), flush=True)
     report = {"rows": rows, "dflash_over_eagle3_draft": ratio, "dtype": a.dtype, "cpu_flags": cpu_flags(),
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-              "prompt_tokens": len(ids), "note": "untrained heads: cost only, acceptance not measured"}
+              "prompt_file": None if a.prompt_file is None else str(a.prompt_file), "num_prompts": len(prompts),
+              "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
+              "note": "untrained heads: cost only, acceptance not measured"}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=2) + "\n")
