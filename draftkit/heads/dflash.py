@@ -71,7 +71,8 @@ import torch
 from torch import Tensor, nn
 
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
-from draftkit.heads.layers import MLP, LayerDims, LayerKV, RMSNorm, apply_rope, last_valid, within_window
+from draftkit.heads.layers import (MLP, LayerDims, LayerKV, RMSNorm, append_positions, apply_rope, last_valid,
+                                   within_window)
 from draftkit.heads.losses import kl_rows
 from draftkit.heads.vocab import DraftVocab, check_draft_vocab_size
 
@@ -380,8 +381,7 @@ class DFlashHead(DraftVocab, DraftHead):
         for layer, cache in zip(self.layers, state.kv):
             cache.extend(*layer.context_kv(ctx, cos, sin))
         state.slot_valid = torch.cat([state.slot_valid, valid.bool()], dim=1)
-        if state.window is not None:
-            state.slot_pos = positions if state.slot_pos is None else torch.cat([state.slot_pos, positions], dim=1)
+        state.slot_pos = append_positions(state.slot_pos, positions, state.window)
         state.next_pos = state.next_pos + valid.long().sum(1)
 
     def block_logits(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int) -> Tensor:

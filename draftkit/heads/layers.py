@@ -218,6 +218,14 @@ def within_window(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor | 
     return None if window is None else (q_pos[:, :, None] - k_pos[:, None, :]) < window
 
 
+def append_positions(slot_pos: Tensor | None, positions: Tensor, window: int | None) -> Tensor | None:
+    """The (B, S) rotary positions of a draft cache's slots after appending (B, m) more: the record
+    within_window reads, kept only when there is a window (None, untouched, otherwise)."""
+    if window is None:
+        return slot_pos
+    return positions if slot_pos is None else torch.cat([slot_pos, positions], dim=1)
+
+
 @dataclass
 class ChainState:
     """Draft-time KV cache of a chain head, with per-row positions and hole-aware validity.
@@ -240,18 +248,23 @@ class ChainState:
         if self.slot_pos is not None:
             self.slot_pos = self.slot_pos[:, : self.confirmed]
 
+    def _append(self, valid: Tensor, positions: Tensor) -> Tensor:
+        """Record (B, m) new slots (valid marks real ones) at rotary positions (B, m); returns the
+        positions on the cache's device."""
+        positions = positions.to(self.slot_valid.device).long()
+        self.slot_valid = torch.cat([self.slot_valid, valid.bool()], dim=1)
+        self.slot_pos = append_positions(self.slot_pos, positions, self.window)
+        return positions
+
     def _windowed(self, mask: Tensor, positions: Tensor) -> Tensor:
         """mask (B, 1, m, S) of the m slots just appended at positions (B, m), cut to the window."""
-        if self.window is None:
-            return mask
-        pos = positions.to(self.slot_valid.device).long()
-        self.slot_pos = pos if self.slot_pos is None else torch.cat([self.slot_pos, pos], dim=1)
-        return mask & within_window(pos, self.slot_pos, self.window)[:, None]
+        near = within_window(positions, self.slot_pos, self.window)
+        return mask if near is None else mask & near[:, None]
 
     def feed(self, valid: Tensor, positions: Tensor) -> Tensor:
         """Append slots for (B, n) entries at rotary positions (B, n) (valid marks real ones): their
         (B, 1, n, S) causal mask."""
-        self.slot_valid = torch.cat([self.slot_valid, valid.bool()], dim=1)
+        positions = self._append(valid, positions)
         return self._windowed(cached_mask(self.slot_valid, valid.shape[1]), positions)
 
     def feed_tree(self, visible: Tensor, positions: Tensor) -> Tensor:
@@ -260,7 +273,7 @@ class ChainState:
         (B, 1, m, S) mask: the confirmed valid slots plus those."""
         B, m, _ = visible.shape
         conf = self.slot_valid[:, : self.confirmed]  # (B, C)
-        self.slot_valid = torch.cat([self.slot_valid, visible.new_ones(B, m)], dim=1)
+        positions = self._append(visible.new_ones(B, m), positions)
         return self._windowed(torch.cat([conf[:, None, :].expand(B, m, -1), visible], dim=2)[:, None], positions)
 
 
