@@ -36,9 +36,8 @@ from draftkit.export.vllm import draft_window, window_note
 from draftkit.heads import build_head
 from draftkit.inference.decoder import SpecDecoder
 from tests.conftest import fit
-from tests import test_engine_vllm as tev
 from tests.test_dflash_engine import FROM_TARGET as DFLASH_FROM_TARGET, HEAD as DFLASH_HEAD
-from tests.test_engine_vllm import BATCH, HEADS, K, N_NEW, check_drafter
+from tests.test_engine_vllm import BATCH, FROM_TARGET, HEADS, K, N_NEW, check_drafter
 
 ALL = os.environ.get("DRAFTKIT_VLLM_ARCHS_ALL") == "1"
 FAMILIES = ("eagle3", "eagle", "dflash") if ALL else ("eagle3",)
@@ -114,7 +113,7 @@ def serve_all(world, python: str) -> dict:
 @pytest.mark.integration
 def test_exports_on_the_architecture_are_served_as_our_loop_runs_them(arch_world, engine_python, monkeypatch):
     w = arch_world
-    monkeypatch.setitem(tev.FROM_TARGET, "dflash", DFLASH_FROM_TARGET)
+    monkeypatch.setitem(FROM_TARGET, "dflash", DFLASH_FROM_TARGET)
     served = serve_all(w, engine_python)
     plain = served["plain"]["runs"][0]
     assert plain["outputs"] == w["ref"] and plain["counters"]["num_drafts"] == 0  # vLLM plain = transformers
