@@ -64,12 +64,21 @@ SHIFT = 0.10  # a category this far below the held-aside prompts is off the trai
 # ---------------------------------------------------------------------------------------------
 
 
-def held_aside(recipe, target, prepared: str | None) -> list:
-    """The recipe's held-aside prompts (data.holdout: never trained on), from its prepared data."""
+def held_aside(recipe, target, prepared: str | None, run: Path | None = None) -> list:
+    """The recipe's held-aside prompts (data.holdout: never trained on), from its prepared data: --prepared,
+    else the directory the run trained on (<run>/prepared.json, written by the trainer), else the one its
+    recipe's settings give today (the key depends on the working directory for relative data.sources)."""
     from draftkit.distill.prepare import load_prepared, trained_on
 
-    out = Path(prepared).expanduser() if prepared else trained_on(
-        recipe, target, recipe.samples_needed(recipe.train.micro_batch_size * recipe.train.grad_accum))
+    said = run / "prepared.json" if run is not None else None
+    logged = Path(json.loads(said.read_text())["directory"]) if said is not None and said.is_file() else None
+    if prepared:
+        out = Path(prepared).expanduser()
+    elif logged is not None and (logged / "manifest.json").is_file():
+        out = logged
+    else:
+        out = trained_on(recipe, target,
+                         recipe.samples_needed(recipe.train.micro_batch_size * recipe.train.grad_accum))
     if out is None:
         sys.exit("the recipe's prepared data (stage 1) is not in the cache for these settings (written by another "
                  "draftkit?): pass --prepared DIR or --no-held-aside; finished ones: " + "; ".join(_candidates(recipe)))
@@ -387,7 +396,8 @@ def parse_args(argv):
     p.add_argument("--run", required=True, help="a training run's output_dir (recipe.json, head/)")
     p.add_argument("--head", help="head directory (default: RUN/head)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench prompts with categories")
-    p.add_argument("--prepared", help="the recipe's prepared data directory (default: found from recipe.json)")
+    p.add_argument("--prepared", help="the recipe's prepared data directory (default: the run's prepared.json, else found "
+                                             "from recipe.json)")
     p.add_argument("--no-held-aside", dest="held_aside", action="store_false")
     p.add_argument("--limit", type=int, help="prompts per category (and of the held-aside ones)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -419,7 +429,7 @@ def main(argv=None) -> int:
         t = recipe.target
         prompts += held_aside(recipe, load_target(t.path, gguf_file=t.gguf_file, dtype=t.dtype,
                                                   trust_remote_code=t.trust_remote_code, transformer=False),
-                              args.prepared)
+                              args.prepared, run)
     t0 = time.perf_counter()
     configs = {}
     for i, dtype in enumerate(dtypes):

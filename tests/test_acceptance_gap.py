@@ -137,7 +137,8 @@ def test_verdicts_follow_the_figures():
 
 def test_benchmark_runs_end_to_end(tmp_path):
     """benchmarks/acceptance_gap.py on a tiny chat target: the loop it reports is the one its
-    teacher-forced replay reproduces (fp32), every verdict is computed."""
+    teacher-forced replay reproduces (fp32), every verdict is computed; the held-aside prompts come from
+    the data the run names (prepared.json), which no recipe key finds here."""
     import json
 
     from benchmarks.acceptance_gap import main
@@ -159,8 +160,9 @@ def test_benchmark_runs_end_to_end(tmp_path):
            "response": "", "truncated": False, "num_tokens": 0, "input_ids": [5, 6], "loss_mask": [0, 1]}
     entry = write_shard(prep / shard_name("holdout", 0, 1), [row])
     write_manifest(prep, {"fingerprint": "x", "splits": {"train": [], "holdout": [entry]}, "stats": {}})
+    (run / "prepared.json").write_text(json.dumps({"directory": str(prep)}))  # as the trainer names its data
     out = tmp_path / "gap.json"
-    assert main(["--run", str(run), "--prepared", str(prep), "--prompts", str(FIXTURES / "data" / "mtbench.jsonl"),
+    assert main(["--run", str(run), "--prompts", str(FIXTURES / "data" / "mtbench.jsonl"),
                  "--max-new-tokens", "6", "--dtypes", "float32", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     loop = res["configs"]["float32"]["loop"]

@@ -383,8 +383,8 @@ def test_prepare_throughput_benchmark_measures_each_layout_from_its_files(tiny_m
 def test_the_trainer_reports_its_draft_vocabularys_coverage_of_the_held_aside_responses(varied_model_dir, prompt_file,
                                                                                          tmp_path):
     """heldout_in_draft_vocab in every train_log record, draft_vocab in the data line and in the head's
-    config.json: heads/vocab.coverage of the exported head's vocabulary over the prepared held-aside
-    responses. benchmarks/vocab_coverage.py chooses the same vocabulary from the prepared data as the
+    config.json (and prepared.json naming the prepared directory): heads/vocab.coverage of the exported
+    head's vocabulary over the prepared held-aside responses. benchmarks/vocab_coverage.py chooses the same vocabulary from the prepared data as the
     trainer did: its figures equal those of the trained head's (--head), its held-aside figure the log's.
     The varied target and 16 draft ids: the held-aside share is neither 1 nor the training one."""
     from benchmarks.vocab_coverage import HELD, POOLED
@@ -399,7 +399,10 @@ def test_the_trainer_reports_its_draft_vocabularys_coverage_of_the_held_aside_re
     res = python_run(args)
     assert res.returncode == 0, res.stderr[-3000:]
     target = load_target(str(varied_model_dir), dtype="float32")
-    data = load_prepared(finished(load_recipe(ROOT / "recipes" / "quick.yaml", args), target, 10))
+    out = finished(load_recipe(ROOT / "recipes" / "quick.yaml", args), target, 10)
+    data = load_prepared(out)
+    # the run names the data it trained on (benchmarks/acceptance_gap.py --run reads it from any directory)
+    assert json.loads((tmp_path / "run" / "prepared.json").read_text()) == {"directory": str(out.resolve())}
     head = load_head(tmp_path / "run" / "head", target)
     want = coverage(head.t2d, sample_counts(data.holdout_samples, target.vocab_size))
     assert want["tokens"] > 0 and 0 < want["inside_fraction"] < 1

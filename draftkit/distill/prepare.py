@@ -49,6 +49,8 @@ class Prepared:
     holdout_samples: list[dict]
     holdout_prompts: list
     stats: dict
+    # Where it was read from (load_prepared): a run records it in <output_dir>/prepared.json.
+    directory: Path | None = None
 
 
 def data_fingerprint(recipe, target, num_samples: int) -> str:
@@ -323,7 +325,8 @@ def load_prepared(directory: Path) -> Prepared:
     prompts = [Prompt(r["messages"], r["category"], r["id"], tuple(r["target_text"])) for r in holdout]
     keep = ("input_ids", "loss_mask")
     return Prepared([{k: r[k] for k in keep} for r in train],
-                    [{k: r[k] for k in keep} for r in holdout if r["input_ids"]], prompts, manifest["stats"])
+                    [{k: r[k] for k in keep} for r in holdout if r["input_ids"]], prompts, manifest["stats"],
+                    directory.resolve())
 
 
 def prepare_features(recipe, target, dist, directory: Path, batch_size: int = 8) -> str:

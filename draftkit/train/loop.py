@@ -360,6 +360,8 @@ class Trainer:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "recipe.json").write_text(json.dumps(self.recipe.to_dict(), indent=2, default=str))
+            if self.data.directory is not None:  # which data: found again from any directory, whatever the cache
+                (self.out / "prepared.json").write_text(json.dumps({"directory": str(self.data.directory)}))
         bar = tqdm(total=r.max_steps, initial=start, disable=not self.main, desc="train", dynamic_ncols=True)
         t_last, tok_last = time.time(), 0.0
         for step in range(start, r.max_steps):
