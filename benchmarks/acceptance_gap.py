@@ -24,7 +24,10 @@ trained: fp32 weights under the recipe's train.autocast ("train" numerics, depth
   that cross it;
 - the loop's alpha_1..k, the same rule replayed on the teacher-forced drafts at the loop's own
   roots (agreement.replay), and the fraction of steps where the two accepted different counts;
-- the fraction of the continuation's tokens outside the head's draft vocabulary.
+- the fraction of the continuation's tokens outside the head's draft vocabulary;
+- depth-1 agreement by the target's own probability of the drafted token (its confidence), and
+  what the held-aside prompts' agreement per confidence bin predicts on each group's mix of bins:
+  the part of the gap owed to text the target itself is unsure of, and the head's own shortfall.
 
 The `verdict` section is computed from these figures, one entry per hypothesis of the issue
 (thresholds EFFECT and SHIFT below). Prints tables and writes JSON (--out).
@@ -43,7 +46,8 @@ import torch
 
 from draftkit.config import load_recipe
 from draftkit.heads.base import load_head
-from draftkit.inference.agreement import BUCKETS, Tally, bucket_of, loop_trace, teacher_forced, training_features
+from draftkit.inference.agreement import (BUCKETS, CONFIDENCE, Tally, bucket_of, confidence_bin, loop_trace,
+                                         teacher_forced, training_features)
 from draftkit.inference.cli_eval import resolve_head_dir
 from draftkit.inference.decoder import SpecDecoder, stop_token_ids
 from draftkit.inference.drafters import DraftSettings
@@ -145,9 +149,10 @@ class Measure:
         a_, ids = self.args, it["ids"]
         names = [it["category"]] + ([SPEC] if it["category"] != HELD else [])
         trace = loop_trace(self.decoder, ids, a_.max_new_tokens)
-        feats, top1 = training_features(self.target, self.head.feature_layers, ids + trace.continuation,
-                                        self.recipe.train.feature_storage)
-        a = teacher_forced(self.head, ids, trace.continuation, feats, top1, a_.k, a_.topk, context=self.context)
+        feats, top1, prob = training_features(self.target, self.head.feature_layers, ids + trace.continuation,
+                                              self.recipe.train.feature_storage)
+        a = teacher_forced(self.head, ids, trace.continuation, feats, top1, a_.k, a_.topk, context=self.context,
+                           top1_prob=prob)
         err = trace.feature_error(feats, len(ids))
         for name in names:
             self.tally("loop", name, a_.k).add(a, self.vocab, trace, a_.max_new_tokens, self.stops, err)
@@ -284,6 +289,43 @@ def verdict_shift(res: dict) -> dict:
     return _verdict([why] if low else [], figures, why)
 
 
+def confidence_split(group: dict, ref: dict) -> dict | None:
+    """`group`'s depth-1 agreement beside what `ref`'s agreement per bin of the target's confidence
+    would give on `group`'s mix of bins: the gap ref - group = (ref - expected), the part owed to
+    text the target itself is less sure of, + (expected - group), the head's own shortfall at equal
+    confidence. Bins `ref` has no position in are left out of both."""
+    g, r = group.get("by_target_confidence") or {}, ref.get("by_target_confidence") or {}
+    bins = [b for b in g if r.get(b, {}).get("n")]
+    n, n_ref = sum(g[b]["n"] for b in bins), sum(v["n"] for v in r.values())
+    if not n or not n_ref:
+        return None
+    actual = sum(g[b]["n"] * g[b]["top1"] for b in bins) / n
+    expected = sum(g[b]["n"] * r[b]["top1"] for b in bins) / n
+    ref_top1 = sum(v["n"] * v["top1"] for v in r.values()) / n_ref
+    return {"depth-1 top-1": actual, "expected": expected, "reference depth-1 top-1": ref_top1,
+            "gap": ref_top1 - actual, "from the target's confidence": ref_top1 - expected,
+            "at equal confidence": expected - actual, "mean target confidence": group.get("mean_target_confidence"),
+            "reference mean target confidence": ref.get("mean_target_confidence"),
+            "share of positions by bin": {b: g[b]["n"] / n for b in bins}}
+
+
+def verdict_uncertainty(res: dict) -> dict:
+    """The target's own uncertainty: Spec-Bench's text is less settled for the target than the
+    held-aside prompts' (a lower probability of the token it emits), and the head's agreement at each
+    level of that probability, taken from the held-aside prompts, explains EFFECT or more of the gap
+    (confidence_split). What is left is the head's shortfall on this traffic at equal confidence."""
+    spec, held = _pooled(res, SPEC), _pooled(res, HELD)
+    split = confidence_split(spec, held) if spec and held else None
+    if split is None:
+        return {"verdict": "not measured", "why": "no held-aside prompts or no target probabilities", "figures": {}}
+    figures = {SPEC: split, **{c: confidence_split(s, held) for c, s in _groups(res).items() if c not in (SPEC, HELD)}}
+    part = split["from the target's confidence"]
+    why = (f"{part:.3f} of the {split['gap']:.3f} depth-1 gap comes from the target's lower confidence on Spec-Bench "
+           f"(mean {_fmt(split['mean target confidence'])} vs {_fmt(split['reference mean target confidence'])}); "
+           f"{split['at equal confidence']:.3f} is the head's at equal confidence")
+    return _verdict([why] if part >= EFFECT else [], figures, why)
+
+
 def gap_summary(res: dict) -> dict:
     """Held-aside minus Spec-Bench, per dtype: the loop's alpha_1 and tau, and the teacher-forced
     depth-1 agreement (the part of the gap that is there before any loop runs)."""
@@ -360,6 +402,7 @@ def print_tables(res: dict) -> None:
         for name, s in ordered(cfg["loop"]):
             print(f"  {name:<15}" + _row(s["tf_alpha_true_features"], k))
     print_positions(res)
+    print_confidence(res)
     for dtype, g in res.get("gap", {}).items():
         print(f"\n[{dtype}] held-aside vs Spec-Bench: loop alpha_1 {_fmt(g['loop_alpha_1'][0])} vs "
               f"{_fmt(g['loop_alpha_1'][1])} (gap {_fmt(g['gap_loop_alpha_1'])}), teacher-forced depth-1 "
@@ -384,6 +427,21 @@ def print_positions(res: dict) -> None:
     for name, s in ordered(_groups(res)):
         print(f"{name:<15}" + "".join(f"{cell(s['by_position'], b):>15}" for b in labels) + " |"
               + "".join(f"{cell(s['context_by_position'], b):>15}" for b in labels))
+
+
+def print_confidence(res: dict) -> None:
+    labels = [confidence_bin(c) for c in CONFIDENCE]
+    print(f"\n[{res['headline']}] depth-1 top-1 by the target's probability of the drafted token (share of "
+          f"positions); expected: at the held-aside prompts' rate per bin")
+    print(f"{'group':<15}{'mean p':>7}" + "".join(f"{b:>14}" for b in labels) + f"{'tf1':>7}{'expected':>9}")
+    held = _pooled(res, HELD)
+    for name, s in ordered(_groups(res)):
+        bins = s.get("by_target_confidence") or {}
+        n = sum(v["n"] for v in bins.values())
+        cells = [f"{_fmt(bins[b]['top1'])} ({bins[b]['n'] / n:.2f})" if b in bins else "-" for b in labels]
+        split = confidence_split(s, held) if held else None
+        print(f"{name:<15}{_fmt(s.get('mean_target_confidence')):>7}" + "".join(f"{c:>14}" for c in cells)
+              + f"{_fmt(s['tf_top1'][0]):>7}{_fmt(split['expected'] if split else None):>9}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +509,8 @@ def main(argv=None) -> int:
            "seconds": time.perf_counter() - t0}
     res["gap"] = gap_summary(res)
     res["verdict"] = {"train_inference_mismatch": verdict_mismatch(res), "long_context": verdict_long_context(res),
-                      "compounding": verdict_compounding(res), "distribution_shift": verdict_shift(res)}
+                      "compounding": verdict_compounding(res), "distribution_shift": verdict_shift(res),
+                      "target_uncertainty": verdict_uncertainty(res)}
     print_tables(res)
     atomic_write(Path(args.out), json.dumps(res, indent=1, default=str))
     print(f"\nwrote {args.out} ({res['seconds']:.0f} s)")

@@ -41,7 +41,8 @@ def test_depth1_equals_a_parallel_forward(setup):
     target, head = setup
     prompt = PROMPTS[1]
     cont = loop_trace(SpecDecoder(target, head, k=K, stop_ids=[]), prompt, NEW).continuation
-    a = teacher_forced(head, prompt, cont, *training_features(target, head.feature_layers, prompt + cont), K, topk=3)
+    feats, top1, prob = training_features(target, head.feature_layers, prompt + cont)
+    a = teacher_forced(head, prompt, cont, feats, top1, K, topk=3, top1_prob=prob)
     seq = torch.tensor([prompt + cont])  # (1, T)
     T, L = seq.shape[1], len(prompt)
     f = target.features(seq, torch.ones_like(seq), head.feature_layers)
@@ -54,8 +55,10 @@ def test_depth1_equals_a_parallel_forward(setup):
     assert a.hits[:, 0][: len(rows)].tolist() == (guess[rows] == want[rows]).tolist()
     assert a.in_topk[:, 0][: len(rows)].tolist() == (top3[rows] == want[rows, None]).any(-1).tolist()
     assert not a.known[-1, 0] and a.known[: len(rows), 0].all()
-    top1 = target.logits(f.final_hidden[0]).argmax(-1)  # (T,)
+    probs = target.logits(f.final_hidden[0]).float().softmax(-1)  # (T, V)
+    top1 = probs.argmax(-1)
     assert a.context_hits.tolist() == (guess == top1[1:]).tolist()
+    assert torch.allclose(a.target_top1_prob, probs.max(-1).values, rtol=1e-5, atol=0)  # the target's confidence
     assert 0 < int(a.hits[:, 0].sum()) < len(rows)  # neither vacuous nor trivial
 
 
@@ -65,7 +68,7 @@ def test_loop_steps_equal_teacher_forced_leading_agreement(setup):
     total, deep = 0, 0
     for prompt in PROMPTS:
         trace = loop_trace(dec, prompt, NEW)
-        feats, top1 = training_features(target, head.feature_layers, prompt + trace.continuation)
+        feats, top1, _ = training_features(target, head.feature_layers, prompt + trace.continuation)
         a = teacher_forced(head, prompt, trace.continuation, feats, top1, K, context=False)
         assert trace.feature_error(feats, len(prompt)) < 1e-5  # the loop's verify features are the training ones
         rows = [r - len(prompt) + 1 for r in trace.roots(len(prompt))]
@@ -101,6 +104,48 @@ def test_tally_counts_a_hand_built_agreement():
     assert d["context_by_position"]["0-256"] == {"n": 254, "top1": 100 / 254}
     assert d["context_split"]["n_before"] == 254 and d["context_split"]["top1_from"] == 0.0
     assert d["outside_draft_vocab"] == 1 / 5 and d["target_top1_differs_from_continuation"] == 0.0
+    assert "by_target_confidence" not in d or d["by_target_confidence"] == {}  # no probabilities given
+
+
+def test_tally_splits_depth1_by_the_targets_confidence_in_the_drafted_token():
+    """Row i drafts x_{L+1+i}, whose probability the target gives after position L+i: the bins count
+    each known depth-1 draft once, at that probability (not the one of the pending token before it)."""
+    from draftkit.inference.agreement import Agreement, Tally
+
+    L = 3
+    seq = [1, 2, 3, 4, 5, 6, 7, 8]  # rows 0..4: roots 2..6 draft x_4..x_8 (row 4: nothing left to check)
+    hits = torch.tensor([[1], [0], [1], [1], [0]], dtype=torch.bool)
+    known = torch.tensor([[1], [1], [1], [1], [0]], dtype=torch.bool)
+    prob = torch.tensor([0.1, 0.1, 0.1, 0.95, 0.2, 0.6, 0.4, 0.99])  # after positions 0..7
+    a = Agreement(L, seq, hits, hits, known, None, torch.tensor(seq[1:] + [0]), prob)
+    t = Tally(1, max_length=512)
+    t.add(a, vocab=None)
+    d = t.to_dict()  # drafted x_4..x_7 at probabilities prob[3..6] = .95 .2 .6 .4
+    assert d["by_target_confidence"] == {"0.0-0.3": {"n": 1, "top1": 0.0}, "0.3-0.5": {"n": 1, "top1": 1.0},
+                                         "0.5-0.7": {"n": 1, "top1": 1.0}, "0.9-1.0": {"n": 1, "top1": 1.0}}
+    assert d["mean_target_confidence"] == pytest.approx((0.95 + 0.2 + 0.6 + 0.4) / 4)
+
+
+def test_confidence_split_decomposes_the_gap():
+    """gap = (reference - expected) + (expected - group), expected = the reference's rate per bin on
+    the group's mix; the verdict is confirmed exactly when the first part reaches EFFECT."""
+    from benchmarks import acceptance_gap as gap
+
+    held = {"by_target_confidence": {"0.0-0.3": {"n": 20, "top1": 0.2}, "0.9-1.0": {"n": 80, "top1": 0.8}},
+            "mean_target_confidence": 0.8}
+    spec = {"by_target_confidence": {"0.0-0.3": {"n": 60, "top1": 0.1}, "0.9-1.0": {"n": 40, "top1": 0.7}},
+            "mean_target_confidence": 0.5}
+    s = gap.confidence_split(spec, held)
+    assert s["reference depth-1 top-1"] == pytest.approx(0.68) and s["depth-1 top-1"] == pytest.approx(0.34)
+    assert s["expected"] == pytest.approx(0.6 * 0.2 + 0.4 * 0.8)  # 0.44
+    assert s["from the target's confidence"] == pytest.approx(0.24)
+    assert s["at equal confidence"] == pytest.approx(0.10)
+    res = {"headline": "bf16", "configs": {"bf16": {"loop": {gap.SPEC: spec, gap.HELD: held, "qa": spec}}}}
+    assert gap.verdict_uncertainty(res)["verdict"] == "confirmed"
+    same_mix = {**spec, "by_target_confidence": {"0.0-0.3": {"n": 20, "top1": 0.1}, "0.9-1.0": {"n": 80, "top1": 0.5}}}
+    res["configs"]["bf16"]["loop"][gap.SPEC] = same_mix  # the same mix of confidence: the head's shortfall alone
+    v = gap.verdict_uncertainty(res)
+    assert v["verdict"] == "ruled out" and v["figures"][gap.SPEC]["at equal confidence"] == pytest.approx(0.26)
 
 
 def _group(tf1=0.5, loop_a1=0.5, replay_a1=0.5, oov=0.02, before=0.5, after=0.5, own=0.4, true=0.4):
@@ -171,3 +216,5 @@ def test_benchmark_runs_end_to_end(tmp_path):
     assert spec["steps_differing"] == 0 and spec["replay_alpha"] == spec["loop_alpha"]
     assert res["configs"]["float32"]["train"]["spec-bench"]["prompts"] == 2  # the head as trained: fp32 here
     assert {v["verdict"] for v in res["verdict"].values()} <= {"confirmed", "ruled out", "not measured"}
+    assert res["verdict"]["target_uncertainty"]["verdict"] != "not measured"  # probabilities reach the tallies
+    assert sum(v["n"] for v in spec["by_target_confidence"].values()) == 2 * 5  # 6 tokens each: 5 drafted at depth 1

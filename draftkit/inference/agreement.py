@@ -96,6 +96,7 @@ class Agreement:
     known: Tensor  # (R, k) bool: x_{r+1+d} exists in the sequence
     context_hits: Tensor | None  # (T-1,) bool: root r = 0..T-2: depth-1 draft == the target's top-1 at r+1
     target_top1: Tensor  # (T,) the target's argmax after each position (the one forward)
+    target_top1_prob: Tensor | None = None  # (T,) the target's probability of that argmax (its confidence)
 
     def leading(self, row: int, k: int) -> int:
         """Drafts a T = 0 step from continuation root row `row` accepts: the leading hits (<= k)."""
@@ -115,24 +116,29 @@ class _Recorder:
 
 
 def training_features(target, layers: tuple[int, ...], seq: list[int], storage: str = "target"):
-    """(feats (1, T, F) of `layers`, the target's top-1 (T,)) of `seq` as the trainer computes them:
-    train/data.py FeatureStore (online, one forward), then the recipe's train.feature_storage
-    round trip (bf16 / fp8 as stored on disk; "target" keeps the target's dtype)."""
+    """(feats (1, T, F) of `layers`, the target's top-1 (T,), its float32 probability (T,)) of `seq`
+    as the trainer computes them: train/data.py FeatureStore (online, one forward), then the
+    recipe's train.feature_storage round trip (bf16 / fp8 as stored on disk; "target" keeps the
+    target's dtype)."""
     from draftkit.train.data import FeatureStore, decode, encode
 
     f = FeatureStore(target, layers, None).batch([{"input_ids": seq, "loss_mask": [1] * len(seq)}], 0)
     feats = f.hidden
     if storage != "target":
         feats = decode(encode(feats[0], storage, len(layers)), "", target.dtype)[None]
-    top1 = target.logits(f.final_hidden[0]).argmax(-1)  # (T,) as FeatureStore stores "top1"
-    return feats, top1
+    logits = target.logits(f.final_hidden[0])
+    top1 = logits.argmax(-1)  # (T,) as FeatureStore stores "top1"
+    prob = logits.float().softmax(-1).gather(-1, top1[:, None])[:, 0]
+    return feats, top1, prob
 
 
 @torch.no_grad()
 def teacher_forced(head, prompt: list[int], continuation: list[int], feats: Tensor, top1: Tensor, k: int,
-                   topk: int = 4, autocast: torch.dtype | None = None, context: bool = True) -> Agreement:
+                   topk: int = 4, autocast: torch.dtype | None = None, context: bool = True,
+                   top1_prob: Tensor | None = None) -> Agreement:
     """Draft k from every continuation root of prompt + continuation (see the module doc), given
-    its training features `feats` (1, T, F) and the target's top-1 (T,) (training_features).
+    its training features `feats` (1, T, F) and the target's top-1 (T,) (training_features; its
+    probability `top1_prob`, if given, is kept for Tally's split by the target's confidence).
 
     context: also draft depth 1 from every prompt root (checked against the target's top-1, as
     data.loss_on "all" trains); else the prompt is consumed in one call, as the loop's prefill.
@@ -156,7 +162,9 @@ def teacher_forced(head, prompt: list[int], continuation: list[int], feats: Tens
             kk = k if r >= L - 1 else 1
             tokens, _ = head.draft(state, feats[:, lo: r + 1], ids[:, lo + 1: r + 2], valid, kk, rec)
             drafts.append((r, tokens[0], rec.calls))
-    return _agreement(seq, L, k, drafts, top1, context)
+    a = _agreement(seq, L, k, drafts, top1, context)
+    a.target_top1_prob = None if top1_prob is None else top1_prob.float().cpu()
+    return a
 
 
 def _agreement(seq: list[int], L: int, k: int, drafts, top1: Tensor, context: bool) -> Agreement:
@@ -206,12 +214,19 @@ def replay(agreement: Agreement, k: int, max_new_tokens: int, stop_ids) -> tuple
 # ---------------------------------------------------------------------------------------------
 
 BUCKETS = (0, 256, 512, 1024)  # context-position buckets of the drafted token: [0, 256) .. [1024, inf)
+CONFIDENCE = (0.0, 0.3, 0.5, 0.7, 0.9)  # bins of the target's probability of the drafted token: [0, .3) .. [.9, 1]
 
 
 def bucket_of(position: int) -> str:
     """The label of the position bucket `position` (0-based index in prompt + continuation) falls in."""
     i = max(j for j, lo in enumerate(BUCKETS) if position >= lo)
     return f">{BUCKETS[-1]}" if i == len(BUCKETS) - 1 else f"{BUCKETS[i]}-{BUCKETS[i + 1]}"
+
+
+def confidence_bin(p: float) -> str:
+    """The label of the CONFIDENCE bin the target's probability `p` falls in."""
+    i = max(j for j, lo in enumerate(CONFIDENCE) if p >= lo)
+    return f"{CONFIDENCE[i]:.1f}-{CONFIDENCE[i + 1] if i + 1 < len(CONFIDENCE) else 1.0:.1f}"
 
 
 def rate(hits: int, n: int) -> float | None:
@@ -227,8 +242,10 @@ class Tally:
     same token at depth 1 from root r+d-1, i.e. with the target's true features and tokens: the
     control that isolates compounding). Depth-1 hits by position bucket of the drafted token, on
     the continuation and (context) against the target's top-1 at every position; the split at
-    `max_length` inside sequences that cross it; draft-vocabulary misses of the continuation; and,
-    with a loop trace, the loop's counts, the replay's, and the steps where they differ.
+    `max_length` inside sequences that cross it; depth-1 hits by the target's own probability of
+    the drafted token (how settled the text is where the head drafts: a head cannot beat a target
+    that is unsure of its own next token); draft-vocabulary misses of the continuation; and, with
+    a loop trace, the loop's counts, the replay's, and the steps where they differ.
     """
 
     def __init__(self, k: int, max_length: int):
@@ -238,6 +255,8 @@ class Tally:
         self.known, self.top1, self.topk, self.cond, self.cond_hit, self.cond_true = z(), z(), z(), z(), z(), z()
         self.cont_pos: dict[str, list[int]] = {}
         self.ctx_pos: dict[str, list[int]] = {}
+        self.conf: dict[str, list[int]] = {}  # confidence bin -> [n, depth-1 hits]
+        self.conf_sum = 0.0
         self.split = [0, 0, 0, 0]  # n, hits before max_length; n, hits from it on
         self.loop = SpecStats(k)
         self.replayed = SpecStats(k)
@@ -251,6 +270,7 @@ class Tally:
         self.prompt_tokens += a.prompt_len
         self._depths(a)
         self._positions(a)
+        self._confidence(a)
         cont = a.tokens[a.prompt_len:]
         self.tokens += len(cont)
         self.oov += sum(t not in vocab for t in cont) if vocab is not None else 0
@@ -292,6 +312,18 @@ class Tally:
                 self.split[j] += 1
                 self.split[j + 1] += h
 
+    def _confidence(self, a: Agreement) -> None:
+        """Depth 1 from row i drafts x_{L+1+i}; the target's distribution for it comes after position L+i."""
+        if a.target_top1_prob is None:
+            return
+        probs = a.target_top1_prob.tolist()
+        for i, (h, kn) in enumerate(zip(a.hits[:, 0].tolist(), a.known[:, 0].tolist())):
+            if kn:
+                p = probs[a.prompt_len + i]
+                c = self.conf.setdefault(confidence_bin(p), [0, 0])
+                c[0], c[1] = c[0] + 1, c[1] + h
+                self.conf_sum += p
+
     def _loop(self, a: Agreement, trace: LoopTrace, max_new_tokens: int, stop_ids) -> None:
         self.traced = True
         self.loop += trace.stats
@@ -318,6 +350,8 @@ class Tally:
             "context_split": {"max_length": self.max_length, "n_before": self.split[0],
                               "top1_before": rate(self.split[1], self.split[0]), "n_from": self.split[2],
                               "top1_from": rate(self.split[3], self.split[2])},
+            "by_target_confidence": {b: {"n": n, "top1": rate(h, n)} for b, (n, h) in sorted(self.conf.items())},
+            "mean_target_confidence": rate(self.conf_sum, sum(n for n, _ in self.conf.values())),
         }
         if self.traced:
             out.update(loop_tau=self.loop.tau, loop_alpha=self.loop.acceptance_per_position,
