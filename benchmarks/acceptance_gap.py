@@ -454,8 +454,8 @@ def parse_args(argv):
     p.add_argument("--run", required=True, help="a training run's output_dir (recipe.json, head/)")
     p.add_argument("--head", help="head directory (default: RUN/head)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench prompts with categories")
-    p.add_argument("--prepared", help="the recipe's prepared data directory (default: the run's prepared.json, else found "
-                                             "from recipe.json)")
+    p.add_argument("--prepared", help="the recipe's prepared data directory (default: the run's prepared.json, "
+                                      "else found from recipe.json)")
     p.add_argument("--no-held-aside", dest="held_aside", action="store_false")
     p.add_argument("--limit", type=int, help="prompts per category (and of the held-aside ones)")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -384,8 +384,9 @@ def test_the_trainer_reports_its_draft_vocabularys_coverage_of_the_held_aside_re
                                                                                          tmp_path):
     """heldout_in_draft_vocab in every train_log record, draft_vocab in the data line and in the head's
     config.json (and prepared.json naming the prepared directory): heads/vocab.coverage of the exported
-    head's vocabulary over the prepared held-aside responses. benchmarks/vocab_coverage.py chooses the same vocabulary from the prepared data as the
-    trainer did: its figures equal those of the trained head's (--head), its held-aside figure the log's.
+    head's vocabulary over the prepared held-aside responses. benchmarks/vocab_coverage.py chooses the
+    same vocabulary from the prepared data as the trainer did: its figures equal those of the trained
+    head's (--head), its held-aside figure the log's.
     The varied target and 16 draft ids: the held-aside share is neither 1 nor the training one."""
     from benchmarks.vocab_coverage import HELD, POOLED
     from benchmarks.vocab_coverage import main as vocab_coverage
