@@ -25,6 +25,8 @@ trained: fp32 weights under the recipe's train.autocast ("train" numerics, depth
 - the loop's alpha_1..k, the same rule replayed on the teacher-forced drafts at the loop's own
   roots (agreement.replay), and the fraction of steps where the two accepted different counts;
 - the fraction of the continuation's tokens outside the head's draft vocabulary;
+- depth-1 agreement on tokens whose bigram with the token before already occurs in the context
+  (what prompt lookup drafts) and on the others;
 - depth-1 agreement by the target's own probability of the drafted token (its confidence), and
   what the held-aside prompts' agreement per confidence bin predicts on each group's mix of bins:
   the part of the gap owed to text the target itself is unsure of, and the head's own shortfall.
@@ -432,16 +434,22 @@ def print_positions(res: dict) -> None:
 def print_confidence(res: dict) -> None:
     labels = [confidence_bin(c) for c in CONFIDENCE]
     print(f"\n[{res['headline']}] depth-1 top-1 by the target's probability of the drafted token (share of "
-          f"positions); expected: at the held-aside prompts' rate per bin")
-    print(f"{'group':<15}{'mean p':>7}" + "".join(f"{b:>14}" for b in labels) + f"{'tf1':>7}{'expected':>9}")
+          f"positions); expected: at the held-aside prompts' rate per bin; and on tokens whose bigram with the "
+          f"token before occurs earlier in the context (what prompt lookup drafts) or not")
+    print(f"{'group':<15}{'mean p':>7}" + "".join(f"{b:>14}" for b in labels) + f"{'tf1':>7}{'expected':>9}"
+          + f"{'seen bigram':>15}{'new bigram':>15}")
     held = _pooled(res, HELD)
     for name, s in ordered(_groups(res)):
         bins = s.get("by_target_confidence") or {}
         n = sum(v["n"] for v in bins.values())
         cells = [f"{_fmt(bins[b]['top1'])} ({bins[b]['n'] / n:.2f})" if b in bins else "-" for b in labels]
         split = confidence_split(s, held) if held else None
+        copy = s.get("by_copy") or {}
+        m = sum(v["n"] for v in copy.values())
+        kinds = [f"{_fmt(copy[c]['top1'])} ({copy[c]['n'] / m:.2f})" if m else "-" for c in ("seen bigram", "new bigram")]
         print(f"{name:<15}{_fmt(s.get('mean_target_confidence')):>7}" + "".join(f"{c:>14}" for c in cells)
-              + f"{_fmt(s['tf_top1'][0]):>7}{_fmt(split['expected'] if split else None):>9}")
+              + f"{_fmt(s['tf_top1'][0]):>7}{_fmt(split['expected'] if split else None):>9}"
+              + "".join(f"{k:>15}" for k in kinds))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,6 +126,22 @@ def test_tally_splits_depth1_by_the_targets_confidence_in_the_drafted_token():
     assert d["mean_target_confidence"] == pytest.approx((0.95 + 0.2 + 0.6 + 0.4) / 4)
 
 
+def test_tally_splits_depth1_by_whether_the_context_holds_the_bigram():
+    """x_t counts as seen when (x_{t-1}, x_t) occurs in x_0..x_{t-1}: in the prompt, or earlier in the
+    continuation; a bigram of the continuation is seen only after it was written."""
+    from draftkit.inference.agreement import Agreement, Tally
+
+    L = 3
+    seq = [4, 5, 6, 4, 5, 9, 4, 5, 9]  # rows 0..5 draft x_4..x_9; x_4 (4,5) seen; x_5 (5,9) new; x_7 (4,5), x_8 (5,9) seen
+    hits = torch.tensor([[1], [0], [1], [0], [1], [0]], dtype=torch.bool)
+    known = torch.tensor([[1], [1], [1], [1], [1], [0]], dtype=torch.bool)
+    a = Agreement(L, seq, hits, hits, known, None, torch.tensor(seq[1:] + [0]))
+    t = Tally(1, max_length=512)
+    t.add(a, vocab=None)
+    # x_4 (4,5) seen: hit; x_5 (5,9) new: miss; x_6 (9,4) new: hit; x_7 (4,5) seen: miss; x_8 (5,9) seen: hit
+    assert t.to_dict()["by_copy"] == {"seen bigram": {"n": 3, "top1": 2 / 3}, "new bigram": {"n": 2, "top1": 1 / 2}}
+
+
 def test_confidence_split_decomposes_the_gap():
     """gap = (reference - expected) + (expected - group), expected = the reference's rate per bin on
     the group's mix; the verdict is confirmed exactly when the first part reaches EFFECT."""

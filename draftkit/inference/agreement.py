@@ -244,8 +244,10 @@ class Tally:
     the continuation and (context) against the target's top-1 at every position; the split at
     `max_length` inside sequences that cross it; depth-1 hits by the target's own probability of
     the drafted token (how settled the text is where the head drafts: a head cannot beat a target
-    that is unsure of its own next token); draft-vocabulary misses of the continuation; and, with
-    a loop trace, the loop's counts, the replay's, and the steps where they differ.
+    that is unsure of its own next token); depth-1 hits on tokens the context already holds after
+    the same token (a bigram seen before: what prompt lookup drafts) and on the others;
+    draft-vocabulary misses of the continuation; and, with a loop trace, the loop's counts, the
+    replay's, and the steps where they differ.
     """
 
     def __init__(self, k: int, max_length: int):
@@ -257,6 +259,7 @@ class Tally:
         self.ctx_pos: dict[str, list[int]] = {}
         self.conf: dict[str, list[int]] = {}  # confidence bin -> [n, depth-1 hits]
         self.conf_sum = 0.0
+        self.copy = {"seen bigram": [0, 0], "new bigram": [0, 0]}  # [n, depth-1 hits]
         self.split = [0, 0, 0, 0]  # n, hits before max_length; n, hits from it on
         self.loop = SpecStats(k)
         self.replayed = SpecStats(k)
@@ -271,6 +274,7 @@ class Tally:
         self._depths(a)
         self._positions(a)
         self._confidence(a)
+        self._copies(a)
         cont = a.tokens[a.prompt_len:]
         self.tokens += len(cont)
         self.oov += sum(t not in vocab for t in cont) if vocab is not None else 0
@@ -324,6 +328,18 @@ class Tally:
                 c[0], c[1] = c[0] + 1, c[1] + h
                 self.conf_sum += p
 
+    def _copies(self, a: Agreement) -> None:
+        """Row i drafts x_t, t = L+1+i: "seen bigram" when (x_{t-1}, x_t) occurs in x_0..x_{t-1}."""
+        seq, L = a.tokens, a.prompt_len
+        seen = {(seq[j - 1], seq[j]) for j in range(1, L + 1)}  # the bigrams up to x_L
+        for i, (h, kn) in enumerate(zip(a.hits[:, 0].tolist(), a.known[:, 0].tolist())):
+            t = L + 1 + i
+            if kn:
+                c = self.copy["seen bigram" if (seq[t - 1], seq[t]) in seen else "new bigram"]
+                c[0], c[1] = c[0] + 1, c[1] + h
+            if t < len(seq):
+                seen.add((seq[t - 1], seq[t]))
+
     def _loop(self, a: Agreement, trace: LoopTrace, max_new_tokens: int, stop_ids) -> None:
         self.traced = True
         self.loop += trace.stats
@@ -352,6 +368,7 @@ class Tally:
                               "top1_from": rate(self.split[3], self.split[2])},
             "by_target_confidence": {b: {"n": n, "top1": rate(h, n)} for b, (n, h) in sorted(self.conf.items())},
             "mean_target_confidence": rate(self.conf_sum, sum(n for n, _ in self.conf.values())),
+            "by_copy": {c: {"n": n, "top1": rate(h, n)} for c, (n, h) in self.copy.items()},
         }
         if self.traced:
             out.update(loop_tau=self.loop.tau, loop_alpha=self.loop.acceptance_per_position,
