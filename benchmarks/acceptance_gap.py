@@ -446,7 +446,8 @@ def print_confidence(res: dict) -> None:
         split = confidence_split(s, held) if held else None
         copy = s.get("by_copy") or {}
         m = sum(v["n"] for v in copy.values())
-        kinds = [f"{_fmt(copy[c]['top1'])} ({copy[c]['n'] / m:.2f})" if m else "-" for c in ("seen bigram", "new bigram")]
+        kinds = [f"{_fmt(copy[c]['top1'])} ({copy[c]['n'] / m:.2f})" if m else "-"
+                 for c in ("seen bigram", "new bigram")]
         print(f"{name:<15}{_fmt(s.get('mean_target_confidence')):>7}" + "".join(f"{c:>14}" for c in cells)
               + f"{_fmt(s['tf_top1'][0]):>7}{_fmt(split['expected'] if split else None):>9}"
               + "".join(f"{k:>15}" for k in kinds))

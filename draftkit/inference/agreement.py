@@ -162,12 +162,11 @@ def teacher_forced(head, prompt: list[int], continuation: list[int], feats: Tens
             kk = k if r >= L - 1 else 1
             tokens, _ = head.draft(state, feats[:, lo: r + 1], ids[:, lo + 1: r + 2], valid, kk, rec)
             drafts.append((r, tokens[0], rec.calls))
-    a = _agreement(seq, L, k, drafts, top1, context)
-    a.target_top1_prob = None if top1_prob is None else top1_prob.float().cpu()
-    return a
+    return _agreement(seq, L, k, drafts, top1, context, top1_prob)
 
 
-def _agreement(seq: list[int], L: int, k: int, drafts, top1: Tensor, context: bool) -> Agreement:
+def _agreement(seq: list[int], L: int, k: int, drafts, top1: Tensor, context: bool,
+               top1_prob: Tensor | None = None) -> Agreement:
     """Compare each root's drafts with the sequence (and depth 1 with the target's top-1)."""
     T = len(seq)
     R = T - L
@@ -185,7 +184,7 @@ def _agreement(seq: list[int], L: int, k: int, drafts, top1: Tensor, context: bo
             known[r - L + 1, d] = True
             hits[r - L + 1, d] = int(toks[d]) == want
             in_topk[r - L + 1, d] = bool((tops[d].cpu() == want).any())
-    return Agreement(L, seq, hits, in_topk, known, ctx, top1)
+    return Agreement(L, seq, hits, in_topk, known, ctx, top1, None if top1_prob is None else top1_prob.float().cpu())
 
 
 def replay(agreement: Agreement, k: int, max_new_tokens: int, stop_ids) -> tuple[SpecStats, list[int]]:
@@ -243,8 +242,8 @@ class Tally:
     control that isolates compounding). Depth-1 hits by position bucket of the drafted token, on
     the continuation and (context) against the target's top-1 at every position; the split at
     `max_length` inside sequences that cross it; depth-1 hits by the target's own probability of
-    the drafted token (how settled the text is where the head drafts: a head cannot beat a target
-    that is unsure of its own next token); depth-1 hits on tokens the context already holds after
+    the drafted token (how settled the text is where the head drafts: where the target itself is
+    unsure, its argmax is harder to foresee); depth-1 hits on tokens the context already holds after
     the same token (a bigram seen before: what prompt lookup drafts) and on the others;
     draft-vocabulary misses of the continuation; and, with a loop trace, the loop's counts, the
     replay's, and the steps where they differ.
