@@ -25,7 +25,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -212,11 +211,6 @@ def _train(cfg) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
            "WANDB_MODE": "disabled"}  # keep the caller's path: carried packages live there
     res = {}
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    if re.search(r"\d\.\d+[a-z]", arch):  # "9.0a": DeepSpeed 0.19's JIT builder parses each entry as int.int
-        env["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d\.\d+)[a-z]+", r"\1", arch)
-        res["note"] = (f"TORCH_CUDA_ARCH_LIST {arch!r} -> {env['TORCH_CUDA_ARCH_LIST']!r} for the training runs: "
-                       "DeepSpeed's fused-Adam JIT build fails on arch suffixes (int('0a'))")
     cache = cfg.out / "train-cache"  # kept between runs: prepared data and features
     for recipe in ("eagle", "eagle3"):  # fresh runs: an old checkpoint would be resumed instead
         shutil.rmtree(cfg.out / f"train-{recipe}", ignore_errors=True)

@@ -442,3 +442,30 @@ def test_a_child_of_a_process_that_made_its_own_group_does_not_inherit_its_bound
         env.pop(key, None)
     r = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0 and "child rank 0" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_init_distributed_gives_deepspeed_an_arch_list_its_jit_builder_parses():
+    """NVIDIA's Hopper images set TORCH_CUDA_ARCH_LIST=9.0a; DeepSpeed 0.19's JIT builder parses each entry
+    as int.int, so fused Adam's build died with int('0a') on the H200 (benchmarks/results/gpu_check/). After
+    init_distributed the list is one DeepSpeed's own FusedAdamBuilder parses, with +PTX and every arch kept;
+    the raw list is shown to fail the same parser, so the check has something to catch."""
+    script = ("import os\n"
+              "from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA one, whatever the accelerator\n"
+              "def parse():\n"
+              "    b = FusedAdamBuilder(); b.jit_mode = True; b._jit_arch_list = None\n"
+              "    return b.compute_capability_args()\n"
+              "try:\n"
+              "    parse(); print('raw parsed')\n"
+              "except ValueError as e:\n"
+              "    print('raw failed:', e)\n"
+              "from draftkit.train.distributed import init_distributed\n"
+              "init_distributed()\n"
+              "print('list', os.environ['TORCH_CUDA_ARCH_LIST'])\n"
+              "parse(); print('mended parsed')\n")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "TORCH_CUDA_ARCH_LIST": "8.0 9.0a;10.0a+PTX"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr[-2000:]
+    assert "raw failed: invalid literal for int()" in r.stdout, out
+    assert "list 8.0 9.0;10.0+PTX" in r.stdout and "mended parsed" in r.stdout and r.returncode == 0, out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -26,6 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def arch_list_for_deepspeed(arch: str) -> str:
+    """`TORCH_CUDA_ARCH_LIST` with each entry's letter suffix dropped ("9.0a" -> "9.0"; "+PTX" and the
+    separators kept).
+
+    DeepSpeed 0.19's JIT op builder parses every entry as `int.int`, so an image that sets "9.0a" (NVIDIA's
+    Hopper images do) fails fused Adam's build with `int('0a')`. The "a" variant only adds
+    architecture-specific instructions that fused Adam does not use."""
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch)
+
+
 def init_distributed() -> Dist:
     """Join (or, for plain `python`, create) the process group; gloo on CPU, nccl on CUDA.
 
@@ -40,6 +51,11 @@ def init_distributed() -> Dist:
     own_port = "MASTER_PORT" not in os.environ
     if own_port:
         os.environ["MASTER_PORT"] = str(free_port())
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch and arch_list_for_deepspeed(arch) != arch:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list_for_deepspeed(arch)
+        print(f"[draftkit] TORCH_CUDA_ARCH_LIST {arch!r} -> {os.environ['TORCH_CUDA_ARCH_LIST']!r}: "
+              "DeepSpeed's JIT builder reads each entry as int.int", flush=True)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
