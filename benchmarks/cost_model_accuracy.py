@@ -4,7 +4,7 @@ head tree without lookup, a big hybrid), each interleaved with plain decoding pr
 and set the predicted speedup (and tau) beside the measured one, per temperature.
 
     python benchmarks/cost_model_accuracy.py --head runs/quick/head \
-        --prompts benchmarks/results/specbench_dev60.jsonl --calibration 8 --measure 12 \
+        --prompts benchmarks/results/specbench_dev60.jsonl --calibration 16 --measure 12 \
         --max-new-tokens 64 --temperatures 0 1 --dtype bfloat16
 
 Prints a table and writes benchmarks/results/cost_model_accuracy.json (atomically). Run it alone
@@ -23,7 +23,7 @@ import torch
 
 from draftkit.heads.base import load_head
 from draftkit.target import cpu_flags
-from draftkit.inference.calibrate import calibration_prompts
+from draftkit.inference.calibrate import CALIBRATION_PROMPTS, calibration_prompts
 from draftkit.inference.cost import (OTHERS_CORES, Candidate, auto_draft, others_meter, predict,
                                      simulate, trace_prompt)
 from draftkit.inference.decoder import SpecDecoder, plain_generate, stop_token_ids
@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head", required=True)
     ap.add_argument("--target", default=None)
     ap.add_argument("--prompts", default="benchmarks/results/specbench_dev60.jsonl")
-    ap.add_argument("--calibration", type=int, default=8, help="calibration prompts (spread over the file)")
+    ap.add_argument("--calibration", type=int, default=CALIBRATION_PROMPTS,
+                    help=f"calibration prompts (spread over the file; default {CALIBRATION_PROMPTS}, eval's)")
     ap.add_argument("--measure", type=int, default=12, help="measured prompts, none of the calibration's")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])

@@ -430,6 +430,56 @@ def test_calibration_searches_only_the_fields_the_user_left_unset(chat_dirs, tmp
     assert json.loads((tmp_path / "report.json").read_text())["draft"] == draft  # what ran
 
 
+def test_calibration_prompts_default_is_16_for_the_loop_and_4_for_the_vllm_sweep(chat_dirs, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Unset, --calibration-prompts traces 16 prompts in our loop (4 left lookup 10's tau 13.5% off on
+    Spec-Bench) and sweeps vLLM on 4 (an engine per candidate, no budget); given, it is what both use;
+    below 1 it is refused by name."""
+    from types import SimpleNamespace
+
+    from draftkit.cli import main as cli
+    from draftkit.engines import vllm_eval
+    from draftkit.inference import calibrate as cal_mod, cli_eval
+    from draftkit.inference.evaluate import EvalPrompt
+    from draftkit.target import load_target
+    from tests.test_evaluate import FIXTURES
+
+    class Stop(Exception):
+        pass
+
+    asked = []
+
+    def record(target, head, prompts, settings, n, *a, **k):
+        asked.append(n)
+        raise Stop
+    monkeypatch.setattr(cli_eval, "calibrate", record)
+    base = ["eval", "--head", str(chat_dirs / "head"), "--target", str(chat_dirs / "target"), "--prompts",
+            str(FIXTURES / "data" / "mtbench.jsonl"), "--max-new-tokens", "6", "--compare", "none", "--dtype",
+            "float32", "--draft", "calibrate"]
+    for given, want in ((None, 16), (3, 3)):
+        flags = [] if given is None else ["--calibration-prompts", str(given)]
+        with pytest.raises(Stop):
+            cli(base + ["--out", str(tmp_path / f"loop{given}"), *flags])
+        assert asked[-1] == want
+    assert cli(base + ["--out", str(tmp_path / "zero"), "--calibration-prompts", "0"]) == 2
+    assert "--calibration-prompts must be >= 1, got 0" in capsys.readouterr().err
+
+    target = load_target(str(chat_dirs / "target"), dtype="float32")
+    prompts = [EvalPrompt(messages=[{"role": "user", "content": f"prompt number {i}"}], category=None, id=str(i))
+               for i in range(6)]
+
+    def spread(items, n, skip=None):
+        asked.append(n)
+        raise Stop
+    monkeypatch.setattr(cal_mod, "calibration_prompts", spread)
+    for given, want in ((None, 4), (5, 5)):
+        args = SimpleNamespace(calibration_prompts=given, engine_k=[1, 2], max_new_tokens=8, temperature=[0.0],
+                               batch_size=1, top_k=None, top_p=None, seed=0)
+        with pytest.raises(Stop):
+            vllm_eval.measure_engine_draft(args, target, tmp_path, {}, prompts, tmp_path / "engine", "python")
+        assert asked[-1] == want
+
+
 def test_calibration_with_nothing_left_to_choose(chat_dirs, tmp_path, capsys, monkeypatch):
     """--k fixes a whole chain: nothing is measured and the chain runs; an impossible combination
     of fixed fields fails before measuring, naming them."""

@@ -37,6 +37,11 @@ from draftkit.export.serving import ENGINE_DRAFT_KEY, measured_on, sglang_from_c
 from draftkit.inference.cost import PAYS
 
 ENGINE_DRAFT_FILE = "engine_draft.json"
+# The engine sweep's prompts when --calibration-prompts is not given. The sweep builds one vLLM engine per
+# candidate (plain and a chain per --engine-k, ~20-30 s each to build) and has no time budget, and it only
+# chooses a chain length of one head (lookup is not a candidate), so the loop's 16 would multiply its time
+# for a choice that 4 prompts already make.
+ENGINE_CALIBRATION_PROMPTS = 4
 ENGINE_DRAFT_ABOUT = ("the shape each serving engine should serve this head with: `vllm` measured in vLLM (tokens/s "
                       "of chains beside vLLM plain, one run), `sglang` an SGLang-valid tree measured in draftkit's "
                       "loop (not engine-measured); not the shape draftkit's own loop runs fastest (draft.json)")

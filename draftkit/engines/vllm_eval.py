@@ -434,14 +434,16 @@ def engine_draft_choice(args, head_dir: Path, out: Path, target) -> tuple[int | 
 def measure_engine_draft(args, target, export: Path, contract: dict, prompts, out: Path, python: str) -> dict:
     """--draft auto/calibrate: the sweep on calibration prompts (calibrate.py's spread and token cap),
     written to --out/engine_draft.json."""
-    from draftkit.engines.vllm_auto import ENGINE_DRAFT_FILE, SweepSettings, choice_file, engine_auto, format_sweep
+    from draftkit.engines.vllm_auto import (ENGINE_CALIBRATION_PROMPTS, ENGINE_DRAFT_FILE, SweepSettings, choice_file,
+                                            engine_auto, format_sweep)
     from draftkit.inference.calibrate import MAX_CALIBRATION_TOKENS, calibration_prompts
     from draftkit.inference.decoder import stop_token_ids
     from draftkit.inference.evaluate import _prepare
     from draftkit.inference.report import atomic_write
 
     items, _ = _prepare(target, prompts, max(args.engine_k) + 1, args.max_new_tokens)
-    calib = calibration_prompts(items, args.calibration_prompts)
+    n = ENGINE_CALIBRATION_PROMPTS if args.calibration_prompts is None else args.calibration_prompts
+    calib = calibration_prompts(items, n)
     if not calib:
         raise ValueError("engine draft auto: no prompt fits the context")
     s = SweepSettings(ks=tuple(args.engine_k), temperatures=tuple(args.temperature), batch_size=args.batch_size,

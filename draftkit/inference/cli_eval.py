@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from draftkit.inference.calibrate import MAX_CALIBRATION_TOKENS, add_arguments as add_calibration_arguments, calibrate
+from draftkit.inference.calibrate import (CALIBRATION_PROMPTS, MAX_CALIBRATION_TOKENS, add_arguments as add_calibration_arguments,
+                                         calibrate)
 from draftkit.export.serving import ENGINE_DRAFT_KEY, sglang_from_calibration, sglang_summary
 from draftkit.inference.cost import FIXABLE, PAYS, SearchSpace
 from draftkit.inference.errors import SpecError
@@ -131,10 +132,12 @@ def _draft_arguments(p: argparse.ArgumentParser) -> None:
                         + "; `--compare` alone or `all` = all of them, `none` = only the main one; unset: all")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no equality check)")
     p.add_argument("--no-ngram", action="store_true", help="skip the prompt-lookup baseline")
-    p.add_argument("--calibration-prompts", type=int, default=4,
+    from draftkit.engines.vllm_auto import ENGINE_CALIBRATION_PROMPTS
+    p.add_argument("--calibration-prompts", type=int, default=None, metavar="N",
                    help="auto/calibrate: how many prompts the cost model measures on, spread evenly over the "
                         "prompt list (after --limit), in turn from each category; they are evaluated with the "
-                        "others too")
+                        f"others too (default {CALIBRATION_PROMPTS} for our loop, {ENGINE_CALIBRATION_PROMPTS} for "
+                        "--engine vllm's sweep, which builds an engine per candidate)")
     add_calibration_arguments(p)
     from draftkit.engines.vllm_eval import add_arguments as add_engine_arguments
     add_engine_arguments(p)  # --engine vllm, --vllm-python
@@ -349,6 +352,8 @@ def load_everything(args):
 
     if args.k is not None and args.k < 1:
         raise SpecError(f"--k must be >= 1, got {args.k}")
+    if args.calibration_prompts is not None and args.calibration_prompts < 1:
+        raise SpecError(f"--calibration-prompts must be >= 1, got {args.calibration_prompts}")
     check_acceptance(args.acceptance, args.typical_epsilon, args.typical_delta)
     prompts: list[EvalPrompt] = []
     for f in args.prompts or []:
@@ -399,8 +404,8 @@ def run(args) -> int:
             typical_delta=args.typical_delta, raise_errors=False, progress=True)
         if measure:
             space = search_space(args)
-            draft, cal = calibrate(target, head, prompts, settings, args.calibration_prompts, args.calibration_budget,
-                                   space=space)
+            n = CALIBRATION_PROMPTS if args.calibration_prompts is None else args.calibration_prompts
+            draft, cal = calibrate(target, head, prompts, settings, n, args.calibration_budget, space=space)
             settings, source = replace(settings, draft=draft), f"measured now (written to {out / DRAFT_FILE})"
             sglang, sglang_source = loop_sglang(cal, head, target, settings, space), source
             if sglang:
