@@ -450,7 +450,7 @@ def test_init_distributed_gives_deepspeed_an_arch_list_its_jit_builder_parses():
     init_distributed the list is one DeepSpeed's own FusedAdamBuilder parses, with +PTX and every arch kept;
     the raw list is shown to fail the same parser, so the check has something to catch."""
     script = ("import os\n"
-              "from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA one, whatever the accelerator\n"
+              "from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # CUDA's, whatever the accelerator\n"
               "def parse():\n"
               "    b = FusedAdamBuilder(); b.jit_mode = True; b._jit_arch_list = None\n"
               "    return b.compute_capability_args()\n"

@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from draftkit.inference.calibrate import (CALIBRATION_PROMPTS, MAX_CALIBRATION_TOKENS, add_arguments as add_calibration_arguments,
-                                         calibrate)
+from draftkit.inference.calibrate import (CALIBRATION_PROMPTS, MAX_CALIBRATION_TOKENS, calibrate,
+                                         add_arguments as add_calibration_arguments)
 from draftkit.export.serving import ENGINE_DRAFT_KEY, sglang_from_calibration, sglang_summary
 from draftkit.inference.cost import FIXABLE, PAYS, SearchSpace
 from draftkit.inference.errors import SpecError
