@@ -113,6 +113,23 @@ def test_training_forward_equals_drafting(target):
         torch.testing.assert_close(got[1:2], want, rtol=1e-4, atol=1e-5)
 
 
+def test_rows_linear_is_the_linear_map_of_any_slice():
+    """The block's logits come from a slice h[:, 1:k+1] (no view of a matrix): rows_linear gives
+    F.linear's values there, bias included, for every layout the loop and the prefill pass it.
+    (Its point is speed, one matmul instead of a batched one that copies the weight:
+    benchmarks/dflash_draft_cost.py measures that.)"""
+    from draftkit.target import rows_linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(50, 16, generator=g), torch.randn(50, generator=g)
+    h = torch.randn(3, 9, 16, generator=g)
+    for x in (h[:, 1:8], h[1:2, -1:], h[:, 4], h.transpose(0, 1), h):
+        want = torch.nn.functional.linear(x, w, b)
+        assert rows_linear(x, w, b).shape == want.shape
+        torch.testing.assert_close(rows_linear(x, w, b), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rows_linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_engine_block_drafts_as_a_head_of_block_k_plus_1(target):
     """engine_block (vLLM's rule: 1 + k query slots): the k drafts equal those of the same weights
     with block_size k + 1, and differ from the full block's (bidirectional: every slot counts)."""

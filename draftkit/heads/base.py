@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from draftkit.schema import ConfigError, from_dict
 from draftkit.heads.layers import LayerDims
-from draftkit.target import rope_parameters_of
+from draftkit.target import rope_parameters_of, rows_linear
 
 SampleFn = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 HEAD_FORMAT_VERSION = 1
@@ -196,7 +196,7 @@ class DraftHead(nn.Module):
     def target_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the frozen lm_head over `hidden` (B, T, H), in float32."""
         w = self.shared.lm_head.weight
-        return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+        return rows_linear(hidden.to(w.dtype), w).float()
 
     def target_logits_top1(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """(M, H) -> the frozen lm_head's (M, V) float32 logits and their (M,) argmax (a loss teacher)."""

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from draftkit.heads.base import HeadError
 from draftkit.heads.losses import sparse_logits
+from draftkit.target import rows_linear
 
 
 def token_counts(tokens: Tensor | Iterable, vocab_size: int, masks: Tensor | Iterable | None = None) -> Tensor:
@@ -148,7 +149,7 @@ class DraftVocab:
             with torch.no_grad():
                 cached = (key, w[self.draft_ids.to(w.device)].detach())
             object.__setattr__(self, "_vocab_w", cached)
-        return torch.nn.functional.linear(hidden.to(w.dtype), cached[1]).float()
+        return rows_linear(hidden.to(w.dtype), cached[1]).float()
 
     def target_on_draft_vocab(self, target_final: Tensor, top1: Tensor | None) -> tuple[Tensor, Tensor]:
         """The target's logits over the draft vocab (M, N) and its full-vocabulary argmax (M,).

@@ -75,7 +75,7 @@ class TargetCache:
         out = self.target.decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
                                   past_key_values=self.cache, use_cache=True, output_hidden_states=want_hidden)
         final = out.last_hidden_state  # (B, T, H) after the final norm
-        logits = self.target.lm_head(final[:, logits_from:]).float()  # (B, T', V)
+        logits = self.target.logits(final[:, logits_from:]).float()  # (B, T', V)
         feats = None
         if self.layers:
             picked = [final if i == FINAL else out.hidden_states[i] for i in self.layers]
