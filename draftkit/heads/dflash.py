@@ -137,6 +137,12 @@ def block_attention(q: Tensor, k_blk: Tensor, v_blk: Tensor, k_ctx: Tensor, v_ct
     """
     N, h, AB, d = q.shape
     kv, A = k_blk.shape[1], AB // block
+    if A == 1:  # drafting: one block, so one fused kernel over [context ; block] costs no dense mask worth avoiding
+        vis = ctx_visible.expand(N, block, -1) if ctx_visible.dim() == 3 else ctx_visible[:, 0]  # (N, B, S)
+        mask = torch.cat([vis, vis.new_ones(N, block, block)], dim=-1)[:, None]  # (N, 1, B, S + B)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2), attn_mask=mask,
+            enable_gqa=h != kv)
     qg = q.view(N, kv, h // kv, A, block, d)  # query head j reads kv head j // (h / kv)
     kb, vb = k_blk.view(N, kv, A, block, d), v_blk.view(N, kv, A, block, d)
     scale = d ** -0.5
@@ -403,9 +409,11 @@ class DFlashHead(DraftVocab, DraftHead):
     def draft(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
               sample: SampleFn) -> tuple[Tensor, Tensor | None]:
         logits = self.block_logits(state, feats, next_tokens, valid, k)  # (B, k, N)
+        if self.has_draft_vocab:
+            logits = self.to_target_logits(logits)  # (B, k, V): one expansion for the whole block
         tokens, probs = [], []
         for i in range(k):  # independent positions: q_i does not depend on the drafts before it
-            tok, prob = sample(self.to_target_logits(logits[:, i]) if self.has_draft_vocab else logits[:, i])
+            tok, prob = sample(logits[:, i])
             tokens.append(tok)
             probs.append(prob)
         return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
