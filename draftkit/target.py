@@ -61,8 +61,9 @@ def rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
 
     torch.matmul folds a 3-D input into a matrix only when its strides allow a view; a slice such
     as hidden[:, a:b] of a longer sequence does not, and matmul then runs a batched product that
-    first copies the whole weight, transposed. Under the lm_head (49152 x 576) that copy is ~8 ms a
-    call on two cores: most of a DFlash block's draft and of a prefill's last-position logits.
+    first copies the whole weight, transposed. Under a DFlash block's 8192-row draft head that copy
+    was half its draft on two cores (12.4-12.9 -> 6.2-6.4 ms, benchmarks/dflash_draft_cost.py), and
+    the full lm_head (49152 x 576) is six times larger, copied for a prefill's last-position logits.
     Copying the (small) input instead gives the same product."""
     return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
