@@ -142,7 +142,7 @@ class Measure:
         drafter, kw = DraftSettings(mode="chain", k=args.k).decoder_args(self.head)
         self.stops = stop_token_ids(self.target)
         self.decoder = SpecDecoder(self.target, drafter, stop_ids=self.stops, **kw)
-        vocab = getattr(self.head, "tree_vocab", None)  # the draft vocabulary's target ids, or None
+        vocab = getattr(self.head, "draft_vocab", None)  # the draft vocabulary's target ids, or None
         self.vocab = set(vocab.tolist()) if vocab is not None else None
         self.groups: dict[str, dict[str, Tally]] = {"loop": {}, "train": {}}
 

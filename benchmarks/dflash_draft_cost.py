@@ -3,11 +3,13 @@
     python benchmarks/dflash_draft_cost.py --out benchmarks/results/dflash_draft_cost.json
     python benchmarks/dflash_draft_cost.py --dtype float32 --out benchmarks/results/dflash_draft_cost_avx2_fp32.json
     python benchmarks/dflash_draft_cost.py --prompt-file benchmarks/results/specbench_dev60.jsonl --limit 10
+    python benchmarks/dflash_draft_cost.py --temperature 1 --ks 7 ...  # T > 0: each drafted position sampled
 
 Both heads are built fresh (untrained) from the `head:` sections of recipes/dflash.yaml and
 recipes/eagle3.yaml on the embedded target in --dtype (default bf16; float32 on a CPU without
 native bf16, e.g. AVX2-only, where bf16 matmuls are emulated): drafting cost does not depend on the weights.
-For each k, each head decodes the same prompts with SpecDecoder (chain of k, T = 0), interleaved
+For each k, each head decodes the same prompts with SpecDecoder (chain of k, T = --temperature,
+default 0; at T > 0 each drafted position is sampled from q, seed i for prompt i), interleaved
 head by head; reported: draft_ms_per_step (head.draft, consuming the confirmed positions included)
 and verify_ms_per_step. EAGLE-3 pays one head forward per drafted token, DFlash one per block.
 Prompts: one short built-in prompt, decoded --prompts times; or --prompt-file (a prompt file as
@@ -23,9 +25,11 @@ from pathlib import Path
 
 import torch
 
+import draftkit
 from draftkit.config import load_recipe
 from draftkit.heads import build_head
 from draftkit.inference.decoder import SpecDecoder
+from draftkit.inference.sampling import SamplingParams
 from draftkit.target import cpu_flags, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,10 +47,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="target and heads (float32 where the CPU has no native bf16)")
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, a.dtype)
+    params = SamplingParams(temperature=a.temperature)
     target = load_target(None, dtype=a.dtype)
     heads = {}
     for name in ("eagle3", "dflash"):
@@ -65,10 +71,10 @@ def main() -> None:
     for k in a.ks:
         for name, head in heads.items():
             dec = SpecDecoder(target, head, k=k, stop_ids=[])
-            dec.generate(prompts[:1], 4)  # warm-up
+            dec.generate(prompts[:1], 4, params, [0])  # warm-up
             steps = draft = verify = 0.0
-            for ids in prompts:
-                _, st = dec.generate([ids], a.max_new_tokens)
+            for i, ids in enumerate(prompts):
+                _, st = dec.generate([ids], a.max_new_tokens, params, [i])
                 steps, draft, verify = steps + st.steps, draft + st.draft_s, verify + st.verify_s
             rows.append({"head": name, "k": k, "draft_ms_per_step": 1e3 * draft / steps,
                          "verify_ms_per_step": 1e3 * verify / steps, "steps": int(steps)})
@@ -77,11 +83,12 @@ def main() -> None:
     ms = {(r["head"], r["k"]): r["draft_ms_per_step"] for r in rows}
     ratio = {str(k): ms["dflash", k] / ms["eagle3", k] for k in a.ks}  # DFlash over EAGLE-3's chain of k
     print("dflash / eagle3 draft ms per step: " + ", ".join(f"k={k} {v:.2f}x" for k, v in ratio.items()), flush=True)
-    report = {"rows": rows, "dflash_over_eagle3_draft": ratio, "dtype": a.dtype, "cpu_flags": cpu_flags(),
+    report = {"rows": rows, "dflash_over_eagle3_draft": ratio, "dtype": a.dtype, "temperature": a.temperature, "cpu_flags": cpu_flags(),
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "prompt_file": None if a.prompt_file is None else str(a.prompt_file), "num_prompts": len(prompts),
               "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
-              "note": "untrained heads: cost only, acceptance not measured"}
+              "note": "untrained heads: cost only, acceptance not measured",
+              "draftkit": str(Path(draftkit.__file__).parent)}  # which code ran (PYTHONPATH=<clone> to compare)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=2) + "\n")

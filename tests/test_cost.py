@@ -203,13 +203,16 @@ def test_sampling_noise_is_priced_as_each_path_draws_it(fitted, clock, monkeypat
     step of a real run of either path costs exactly what Costs.step charges it, and the loop overheads
     calibration measures beside the parts are 0. Priced at k + 1 rows on the chain path too, a lookup
     chain's step came out 5.3 ms (12%) cheaper than it ran on an AMX CPU, its overhead negative."""
-    target, head, _ = fitted
-    draw = torch.Tensor.exponential_
+    from draftkit.inference import sampling
 
-    def charged(t, *a, **kw):
-        clock.charge(t.numel() / target.vocab_size)
-        return draw(t, *a, **kw)
-    monkeypatch.setattr(torch.Tensor, "exponential_", charged)
+    target, head, _ = fitted
+    draw = sampling.standard_exponential  # every row of Exp(1) noise the loop draws comes from here
+
+    def charged(shape, *a, **kw):
+        out = draw(shape, *a, **kw)
+        clock.charge(out.numel() / target.vocab_size)
+        return out
+    monkeypatch.setattr(sampling, "standard_exponential", charged)
     _, cal = auto_draft(target, head, PROMPTS[:1], temperatures=(1.0,), topks=(2,), max_depth=2, max_new_tokens=8,
                         rounds=1)
     c = cal.costs[1.0]

@@ -166,3 +166,33 @@ def test_draft_sampling_settings(small_target, table):
     assert kw == {"k": 3, "draft_sampling": "greedy"} and SpecDecoder(small_target, drafter, **kw).draft_sampling == "greedy"
     assert s.describe() == "chain k=3, greedy drafts (q one-hot)" and DraftSettings().draft_sampling == "sample"
     assert DraftSettings.from_dict(s.to_dict()) == s
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_sampling_over_the_draft_vocabulary_keeps_the_law(family):
+    """Heads sample over their N draft ids (head.sample_draft), not a -inf-padded row of V: q must be
+    the full-vocabulary q of the padded logits (temperature, top-k, top-p), the tokens target ids
+    drawn with frequencies q (4,000 rows, one generator each: 5 sigma < 0.04), and greedy the
+    padded row's argmax, ties included (draft ids ascend with target ids)."""
+    from draftkit.inference.decoder import sample_fn
+    from draftkit.inference.sampling import make_generators
+
+    target = make_arch_target("llama")
+    head = build_head({"type": family, "draft_vocab_size": 16}, target)
+    head.set_draft_vocab(counts=torch.arange(target.vocab_size).flip(0) % 7)  # scattered ids, not a prefix
+    ids = head.draft_vocab
+    assert ids.shape == (16,) and (ids.diff() > 0).all() and ids[-1] > 16
+    logits = (torch.randn(1, 16, generator=torch.Generator().manual_seed(0)) * 2).expand(4000, 16)
+    full = head.to_target_logits(logits)  # (4000, V), -inf off the draft vocabulary
+    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=5),
+                   SamplingParams(temperature=1.2, top_p=0.7)):
+        tok, q = head.sample_draft(logits, sample_fn(params, make_generators(range(4000))))
+        want = logits_to_probs(full, params)  # (4000, V)
+        torch.testing.assert_close(q, want, rtol=1e-6, atol=1e-7)
+        freq = torch.bincount(tok, minlength=target.vocab_size).float() / tok.shape[0]
+        assert (freq - want[0]).abs().max() < 0.04, params
+        assert want[0][tok].min() > 0  # never a token the padded law gives 0 (off vocab, top-k, top-p)
+    tied = logits[:1].clone()
+    tied[0, [3, 9]] = tied.max() + 1  # a tie between draft ids 3 and 9
+    tok, q = head.sample_draft(tied, sample_fn(SamplingParams(), make_generators([0])))
+    assert q is None and tok.tolist() == head.to_target_logits(tied).argmax(-1).tolist() == [ids[3].item()]

@@ -83,6 +83,9 @@ def test_eagle3_ttt_equals_sequential_drafts(tiny_target):
     consuming the prefix 0..t, when the chain is fed the same tokens."""
     head = head_for(tiny_target, ttt_steps=4)
     ids, _, _ = batch(tiny_target, B=2, T=12, seed=5)
+    head.set_draft_vocab(tokens=ids)  # the chain samples over the draft vocabulary: feed it tokens it has
+    draft_of = torch.cumsum(head.t2d.long(), 0) - 1  # target id -> draft index
+    assert head.t2d[ids].all()
     feats = tiny_target.features(ids, None, head.feature_layers)
     train = [head.logits(o) for o in head.unroll(feats)]  # each (B, T-1, N)
     for t in (0, 3, 6):
@@ -90,8 +93,8 @@ def test_eagle3_ttt_equals_sequential_drafts(tiny_target):
 
         def teacher(logits, t=t):
             i = len(seen)
-            seen.append(logits[:, head.draft_ids])
-            return ids[:, t + 2 + i], None  # feed the ground truth x_{t+2+i}
+            seen.append(logits)  # (B, N) over the draft vocabulary
+            return draft_of[ids[:, t + 2 + i]], None  # feed the ground truth x_{t+2+i}
 
         state = head.new_draft_state(2)
         head.draft(state, feats.hidden[:, :t + 1], ids[:, 1:t + 2], torch.ones(2, t + 1, dtype=torch.bool), 4, teacher)

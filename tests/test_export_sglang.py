@@ -285,12 +285,13 @@ def sglang_reads(out, target) -> tuple[dict, dict, torch.Tensor | None]:
 
 
 def our_logits(head, target, ids: torch.Tensor) -> torch.Tensor:
-    """The head's first draft logits after each prefix (position t reads ids[:t + 1]): (T - 1, V)."""
+    """The head's first draft logits after each prefix (position t reads ids[:t + 1]): (T - 1, V),
+    -inf off the draft vocabulary (sample sees the draft vocabulary's logits; mapped back here)."""
     feats = target.features(ids[None], None, head.feature_layers).hidden
     rows = []
     for t in range(1, ids.shape[0]):
         def sample(logits):
-            rows.append(logits[0].float())
+            rows.append((logits if head.draft_vocab is None else head.to_target_logits(logits))[0].float())
             return logits.argmax(-1), None
         head.draft(head.new_draft_state(1), feats[:, :t], ids[None, 1: t + 1], torch.ones(1, t, dtype=torch.bool), 1,
                    sample)

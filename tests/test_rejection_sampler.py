@@ -432,6 +432,17 @@ def test_sampler_greedy_with_filters_returns_target_argmax():
                                 [target[2, 0].item(), -1, -1, -1], [*target[3, :3].tolist(), -1]]
 
 
+def test_standard_exponential_law():
+    """-log(U) is Exp(1): mean 1, P(E > t) = exp(-t) (200k draws: 5 sigma ~0.005), and never 0."""
+    from draftkit.inference.sampling import standard_exponential
+
+    e = standard_exponential((200_000,), torch.Generator().manual_seed(0))
+    assert e.dtype == torch.float32 and (e > 0).all()
+    assert abs(e.mean().item() - 1.0) < 0.012
+    for t in (0.1, 0.5, 1.0, 2.0, 4.0):
+        assert abs((e > t).float().mean().item() - math.exp(-t)) < 0.005, t
+
+
 def test_per_row_random_draws():
     from draftkit.inference.sampling import exponential, uniform
 
@@ -439,7 +450,8 @@ def test_per_row_random_draws():
     assert u.shape == (3, 4) and ((0 <= u) & (u < 1)).all()
     assert torch.equal(u[1], uniform((1, 4), make_generators([2]))[0])  # row 1 only sees seed 2
     e = exponential((2, 5), make_generators([5, 6]))
-    assert torch.equal(e[0], torch.empty(5).exponential_(generator=torch.Generator().manual_seed(5)))
+    assert torch.equal(e[1], exponential((1, 5), make_generators([6]))[0])  # row 1 only sees seed 6
+    assert not torch.equal(e[0], e[1])
     with pytest.raises(ValueError):
         uniform((2, 4), make_generators([1]))
 

@@ -12,8 +12,10 @@ Contract with the verify loop (draftkit.inference):
 call (padded; `valid` (B, n) marks real entries), and `next_tokens` (B, n) the token that follows
 each of those positions (the last valid one per row is the newest token, not yet seen by the
 target). The head consumes these, discards whatever it speculated last time, then drafts k tokens,
-sampling each with `sample(logits (B, V)) -> (tokens (B,), probs (B, V) | None)` (None = greedy).
-It returns tokens (B, k) and probs (B, k, V) | None, both over the *target* vocabulary.
+sampling each with `sample(logits (B, n)) -> (indices (B,), probs (B, n) | None)` (None = greedy)
+over the vocabulary it hands `sample`: its draft vocabulary (`draft_vocab`, whose target ids the
+head maps the indices to) or the target's (n = V). It returns tokens (B, k) and probs
+(B, k, V) | None, both over the *target* vocabulary.
 """
 from __future__ import annotations
 
@@ -236,11 +238,12 @@ class DraftHead(nn.Module):
         root = self.tree_root(state, feats, next_tokens, valid)
         return grow_tree(root, self.tree_logp,
                          lambda h, tokens, depth, visible: self.tree_step(state, h, tokens, depth, visible), shape,
-                         self.tree_vocab)
+                         self.draft_vocab)
 
     @property
-    def tree_vocab(self) -> Tensor | None:
-        """(V',) target ids of tree_logp's entries when it scores a draft vocabulary (None: the target's)."""
+    def draft_vocab(self) -> Tensor | None:
+        """(N,) target ids of the head's draft logits, which tree_logp scores and chain drafts are
+        sampled over, when it has a draft vocabulary (None: the target's)."""
         return None
 
     # ---- save / load ----

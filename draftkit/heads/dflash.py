@@ -268,6 +268,10 @@ class DFlashHead(DraftVocab, DraftHead):
     def has_draft_vocab(self) -> bool:
         return self.d2t.shape[0] < self.t2d.shape[0]
 
+    @property
+    def draft_vocab(self) -> Tensor | None:
+        return self.draft_ids if self.has_draft_vocab else None
+
     def draft_vocab_changed(self) -> None:
         object.__setattr__(self, "_vocab_w", None)
 
@@ -409,11 +413,9 @@ class DFlashHead(DraftVocab, DraftHead):
     def draft(self, state: DFlashState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
               sample: SampleFn) -> tuple[Tensor, Tensor | None]:
         logits = self.block_logits(state, feats, next_tokens, valid, k)  # (B, k, N)
-        if self.has_draft_vocab:
-            logits = self.to_target_logits(logits)  # (B, k, V): one expansion for the whole block
         tokens, probs = [], []
         for i in range(k):  # independent positions: q_i does not depend on the drafts before it
-            tok, prob = sample(logits[:, i])
+            tok, prob = self.sample_draft(logits[:, i], sample)  # over the draft vocabulary, q as (B, V)
             tokens.append(tok)
             probs.append(prob)
         return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
@@ -438,4 +440,4 @@ class DFlashHead(DraftVocab, DraftHead):
         root = logp.new_zeros(logp.shape[0], 1)  # the tree carries no hidden state
         return grow_tree(root, lambda h, d: logp[:, d - 1, None].expand(-1, h.shape[1], -1),
                          lambda h, tokens, d, visible: h.new_zeros(*tokens.shape, 1), shape,
-                         self.draft_ids if self.has_draft_vocab else None)
+                         self.draft_vocab)

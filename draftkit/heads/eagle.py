@@ -187,7 +187,8 @@ class EagleHead(DraftVocab, DraftHead):
         tokens, probs = [], []
         ones = torch.ones(h.shape[0], 1, dtype=torch.bool, device=h.device)
         for i in range(k):
-            tok, prob = sample(self._logits(h))  # (B,), (B, V) | None; -inf off the draft vocabulary
+            logits = self.draft_logits(h) if self.has_draft_vocab else self.target_logits(h)
+            tok, prob = self.sample_draft(logits, sample)  # (B,), (B, V) | None; 0 off the draft vocabulary
             tokens.append(tok)
             probs.append(prob)
             if i + 1 < k:
@@ -201,12 +202,12 @@ class EagleHead(DraftVocab, DraftHead):
         return self._consume(state, feats, next_tokens, valid)
 
     def tree_logp(self, h: Tensor, depth: int) -> Tensor:
-        """Over the draft vocabulary when there is one (tree_vocab maps it): no 49k scatter per depth."""
+        """Over the draft vocabulary when there is one (draft_vocab maps it): no 49k scatter per depth."""
         logits = self.draft_logits(h) if self.has_draft_vocab else self.target_logits(h)
         return torch.log_softmax(logits, dim=-1)
 
     @property
-    def tree_vocab(self) -> Tensor | None:
+    def draft_vocab(self) -> Tensor | None:
         return self.draft_ids if self.has_draft_vocab else None
 
     def tree_step(self, state: ChainState, parent_h: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:

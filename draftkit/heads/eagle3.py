@@ -211,11 +211,11 @@ class Eagle3Head(DraftVocab, DraftHead):
     def draft(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
               sample: SampleFn) -> tuple[Tensor, Tensor | None]:
         o = self._consume(state, feats, next_tokens, valid)
-        # Chain k drafts over the draft vocabulary, mapped back to target ids before sampling.
+        # Chain k drafts over the draft vocabulary, sampled there and mapped back to target ids.
         tokens, probs = [], []
         ones = torch.ones(o.shape[0], 1, dtype=torch.bool, device=o.device)
         for i in range(k):
-            tok, prob = sample(self.to_target_logits(self.logits(o)))  # (B,), (B, V) | None
+            tok, prob = self.sample_draft(self.logits(o), sample)  # (B,), (B, V) | None
             tokens.append(tok)
             probs.append(prob)
             if i + 1 < k:
@@ -227,10 +227,10 @@ class Eagle3Head(DraftVocab, DraftHead):
         return self._consume(state, feats, next_tokens, valid)
 
     def tree_logp(self, o: Tensor, depth: int) -> Tensor:
-        return torch.log_softmax(self.logits(o), dim=-1)  # over the draft vocabulary (tree_vocab)
+        return torch.log_softmax(self.logits(o), dim=-1)  # over the draft vocabulary (draft_vocab)
 
     @property
-    def tree_vocab(self) -> Tensor:
+    def draft_vocab(self) -> Tensor:
         return self.draft_ids
 
     def tree_step(self, state: ChainState, parent_o: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:

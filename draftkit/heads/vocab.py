@@ -174,6 +174,25 @@ class DraftVocab:
         draft_of = draft_of.where(self.t2d, -1)  # ... -1 outside the draft vocabulary
         return sparse_logits(draft_of[ids], topk_logp, self.d2t.shape[0]), ids[:, 0]
 
+    def sample_draft(self, logits: Tensor, sample) -> tuple[Tensor, Tensor | None]:
+        """One drafted position: logits (B, n) over `draft_vocab` (or the target's when None) ->
+        tokens (B,) target ids, probs (B, V) | None.
+
+        The law of sample(to_target_logits(logits)) without building the (B, V) row: off the draft
+        vocabulary those logits are -inf, so temperature, top-k, top-p and the softmax give exactly
+        those tokens probability 0 and the same renormalised mass to the rest. The draw is taken over
+        the N draft ids and q scattered into a zero row: N random numbers instead of V (8,192 vs
+        49,152 on the embedded target). Greedy picks the same token (draft ids ascend with target
+        ids, so ties break alike).
+        """
+        tokens, probs = sample(logits)
+        ids = self.draft_vocab
+        if ids is None:
+            return tokens, probs
+        if probs is not None:
+            probs = probs.new_zeros(*probs.shape[:-1], self.t2d.shape[0]).index_copy_(-1, ids, probs)
+        return ids[tokens], probs
+
     def to_target_logits(self, logits: Tensor) -> Tensor:
         """(..., N) draft logits -> (..., V) target logits, -inf off the draft vocabulary."""
         out = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))

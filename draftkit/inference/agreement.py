@@ -105,13 +105,15 @@ class Agreement:
 
 
 class _Recorder:
-    """The `sample` callback of head.draft at T = 0: argmax, and the top-k ids of every call."""
+    """The `sample` callback of head.draft at T = 0: argmax, and the top-k target ids of every call
+    (`sample` sees logits over the head's draft vocabulary, `vocab` its target ids, None: the target's)."""
 
-    def __init__(self, topk: int):
-        self.topk, self.calls = topk, []
+    def __init__(self, topk: int, vocab: Tensor | None):
+        self.topk, self.vocab, self.calls = topk, vocab, []
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, None]:
-        self.calls.append(logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices[0])  # (topk,)
+        top = logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices[0]  # (topk,)
+        self.calls.append(top if self.vocab is None else self.vocab[top])
         return logits.argmax(-1), None
 
 
@@ -151,7 +153,7 @@ def teacher_forced(head, prompt: list[int], continuation: list[int], feats: Tens
                          f"{T - L} tokens and features {tuple(feats.shape)}")
     dev = feats.device
     ids = torch.tensor([seq], device=dev)  # (1, T)
-    state, rec = head.new_draft_state(1), _Recorder(topk)
+    state, rec = head.new_draft_state(1), _Recorder(topk, head.draft_vocab)
     drafts: list[tuple[int, Tensor, list[Tensor]]] = []  # (root, drafts (kk,), top-k ids per depth)
     start = 0 if context else L - 1
     with torch.autocast(dev.type, dtype=autocast or torch.float32, enabled=autocast is not None):

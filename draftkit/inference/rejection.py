@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from draftkit.inference.sampling import SamplingParams, exponential, logits_to_probs, uniform
+from draftkit.inference.sampling import SamplingParams, exponential, logits_to_probs, standard_exponential, uniform
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -284,7 +284,7 @@ class RejectionSampler:
     @staticmethod
     def _exponential(shape: tuple[int, int], generators, device) -> torch.Tensor:
         if generators is None:
-            return torch.empty(shape, device=device).exponential_()
+            return standard_exponential(shape, device=device)
         return exponential(shape, generators).to(device)
 
 
