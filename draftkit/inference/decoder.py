@@ -81,7 +81,8 @@ def context_length(target) -> int:
 
 
 def sample_fn(params: SamplingParams, generators):
-    """logits (B, V) -> (tokens (B,), probs (B, V) | None): argmax when greedy, else a per-row draw."""
+    """logits (B, n) -> (indices (B,), probs (B, n) | None): argmax when greedy, else a per-row draw, over
+    whatever vocabulary it is handed (the target's, or a head's draft vocabulary: heads/base.py)."""
     if params.greedy:
         return lambda logits: (logits.argmax(-1), None)
 
