@@ -268,10 +268,6 @@ class DFlashHead(DraftVocab, DraftHead):
     def has_draft_vocab(self) -> bool:
         return self.d2t.shape[0] < self.t2d.shape[0]
 
-    @property
-    def draft_vocab(self) -> Tensor | None:
-        return self.draft_ids if self.has_draft_vocab else None
-
     def draft_vocab_changed(self) -> None:
         object.__setattr__(self, "_vocab_w", None)
 

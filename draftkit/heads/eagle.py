@@ -175,9 +175,14 @@ class EagleHead(DraftVocab, DraftHead):
         state.next_pos = state.next_pos + valid.long().sum(1)
         return last_valid(out, valid)
 
+    def vocab_logits(self, h: Tensor) -> Tensor:
+        """(..., H) -> (..., n) float32 over draft_vocab (the target's vocabulary when None)."""
+        return self.draft_logits(h) if self.has_draft_vocab else self.target_logits(h)
+
     def _logits(self, h: Tensor) -> Tensor:
         """(..., H) -> (..., V) float32 over the target vocabulary (-inf off the draft vocabulary)."""
-        return self.to_target_logits(self.draft_logits(h)) if self.has_draft_vocab else self.target_logits(h)
+        logits = self.vocab_logits(h)
+        return self.to_target_logits(logits) if self.has_draft_vocab else logits
 
     @torch.no_grad()
     def draft(self, state: ChainState, feats: Tensor, next_tokens: Tensor, valid: Tensor, k: int,
@@ -187,8 +192,7 @@ class EagleHead(DraftVocab, DraftHead):
         tokens, probs = [], []
         ones = torch.ones(h.shape[0], 1, dtype=torch.bool, device=h.device)
         for i in range(k):
-            logits = self.draft_logits(h) if self.has_draft_vocab else self.target_logits(h)
-            tok, prob = self.sample_draft(logits, sample)  # (B,), (B, V) | None; 0 off the draft vocabulary
+            tok, prob = self.sample_draft(self.vocab_logits(h), sample)  # (B,), (B, V) | None; 0 off the draft vocabulary
             tokens.append(tok)
             probs.append(prob)
             if i + 1 < k:
@@ -203,12 +207,7 @@ class EagleHead(DraftVocab, DraftHead):
 
     def tree_logp(self, h: Tensor, depth: int) -> Tensor:
         """Over the draft vocabulary when there is one (draft_vocab maps it): no 49k scatter per depth."""
-        logits = self.draft_logits(h) if self.has_draft_vocab else self.target_logits(h)
-        return torch.log_softmax(logits, dim=-1)
-
-    @property
-    def draft_vocab(self) -> Tensor | None:
-        return self.draft_ids if self.has_draft_vocab else None
+        return torch.log_softmax(self.vocab_logits(h), dim=-1)
 
     def tree_step(self, state: ChainState, parent_h: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
         positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)

@@ -229,10 +229,6 @@ class Eagle3Head(DraftVocab, DraftHead):
     def tree_logp(self, o: Tensor, depth: int) -> Tensor:
         return torch.log_softmax(self.logits(o), dim=-1)  # over the draft vocabulary (draft_vocab)
 
-    @property
-    def draft_vocab(self) -> Tensor:
-        return self.draft_ids
-
     def tree_step(self, state: ChainState, parent_o: Tensor, tokens: Tensor, depth: int, visible: Tensor) -> Tensor:
         positions = (state.next_pos + depth - 1)[:, None].expand_as(tokens)
         return self(parent_o, tokens, positions, state.feed_tree(visible, positions), state.kv[0])

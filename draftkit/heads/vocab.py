@@ -174,6 +174,13 @@ class DraftVocab:
         draft_of = draft_of.where(self.t2d, -1)  # ... -1 outside the draft vocabulary
         return sparse_logits(draft_of[ids], topk_logp, self.d2t.shape[0]), ids[:, 0]
 
+    has_draft_vocab = True  # EAGLE-1 and DFlash override: False when N = V (no draft vocabulary)
+
+    @property
+    def draft_vocab(self) -> Tensor | None:
+        """(N,) target ids of the head's draft logits (DraftHead.draft_vocab), None without a draft vocabulary."""
+        return self.draft_ids if self.has_draft_vocab else None
+
     def sample_draft(self, logits: Tensor, sample) -> tuple[Tensor, Tensor | None]:
         """One drafted position: logits (B, n) over `draft_vocab` (or the target's when None) ->
         tokens (B,) target ids, probs (B, V) | None.
