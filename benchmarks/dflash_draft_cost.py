@@ -4,6 +4,7 @@
     python benchmarks/dflash_draft_cost.py --dtype float32 --out benchmarks/results/dflash_draft_cost_avx2_fp32.json
     python benchmarks/dflash_draft_cost.py --prompt-file benchmarks/results/specbench_dev60.jsonl --limit 10
     python benchmarks/dflash_draft_cost.py --temperature 1 --ks 7 ...  # T > 0: each drafted position sampled
+    python benchmarks/dflash_draft_cost.py --dflash-layers 2 5 ...       # the recipe's DFlash beside a 5-layer one
 
 Both heads are built fresh (untrained) from the `head:` sections of recipes/dflash.yaml and
 recipes/eagle3.yaml on the embedded target in --dtype (default bf16; float32 on a CPU without
@@ -15,6 +16,8 @@ and verify_ms_per_step. EAGLE-3 pays one head forward per drafted token, DFlash 
 Prompts: one short built-in prompt, decoded --prompts times; or --prompt-file (a prompt file as
 `draftkit eval --prompts` reads it), --limit of them spread over the file, each decoded once: the
 contexts of served traffic, whose length the heads' attention and first consume pay for.
+--dflash-layers N ... builds one DFlash head per depth (the recipe's otherwise; rows named dflash-L{N}),
+interleaved with the rest, each compared with EAGLE-3's chain of the same k.
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="target and heads (float32 where the CPU has no native bf16)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--dflash-layers", type=int, nargs="*", default=None,
+                    help="DFlash draft depths to compare (default: recipes/dflash.yaml's head.num_layers)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -55,8 +60,16 @@ def main() -> None:
     params = SamplingParams(temperature=a.temperature)
     target = load_target(None, dtype=a.dtype)
     heads = {}
-    for name in ("eagle3", "dflash"):
-        head = build_head(dict(load_recipe(ROOT / "recipes" / f"{name}.yaml").head), target)
+    specs = {"eagle3": dict(load_recipe(ROOT / "recipes" / "eagle3.yaml").head)}
+    dflash = dict(load_recipe(ROOT / "recipes" / "dflash.yaml").head)
+    if a.dflash_layers is None:
+        specs["dflash"] = dflash
+    for n in a.dflash_layers or ():
+        if n < 1:
+            ap.error(f"--dflash-layers: {n} is not a depth (>= 1)")
+        specs[f"dflash-L{n}"] = {**dflash, "num_layers": n}
+    for name, spec in specs.items():
+        head = build_head(spec, target)
         head.set_draft_vocab(tokens=torch.arange(target.vocab_size))  # any 8k tokens: cost only
         heads[name] = head.to(dtype).eval()
     if a.prompt_file is None:
@@ -81,9 +94,10 @@ def main() -> None:
             print(f"{name:7s} k={k}  draft {rows[-1]['draft_ms_per_step']:6.1f} ms/step  "
                   f"verify {rows[-1]['verify_ms_per_step']:6.1f} ms/step", flush=True)
     ms = {(r["head"], r["k"]): r["draft_ms_per_step"] for r in rows}
-    ratio = {str(k): ms["dflash", k] / ms["eagle3", k] for k in a.ks}  # DFlash over EAGLE-3's chain of k
-    print("dflash / eagle3 draft ms per step: " + ", ".join(f"k={k} {v:.2f}x" for k, v in ratio.items()), flush=True)
-    report = {"rows": rows, "dflash_over_eagle3_draft": ratio, "dtype": a.dtype, "temperature": a.temperature, "cpu_flags": cpu_flags(),
+    ratios = {name: {str(k): ms[name, k] / ms["eagle3", k] for k in a.ks} for name in heads if name != "eagle3"}
+    for name, ratio in ratios.items():  # DFlash over EAGLE-3's chain of k
+        print(f"{name} / eagle3 draft ms per step: " + ", ".join(f"k={k} {v:.2f}x" for k, v in ratio.items()), flush=True)
+    report = {"rows": rows, "dflash_over_eagle3_draft": ratios.get("dflash"), "over_eagle3_draft": ratios, "dtype": a.dtype, "temperature": a.temperature, "cpu_flags": cpu_flags(),
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "prompt_file": None if a.prompt_file is None else str(a.prompt_file), "num_prompts": len(prompts),
               "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
