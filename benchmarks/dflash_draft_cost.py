@@ -11,8 +11,8 @@ recipes/eagle3.yaml on the embedded target in --dtype (default bf16; float32 on 
 native bf16, e.g. AVX2-only, where bf16 matmuls are emulated): drafting cost does not depend on the weights.
 For each k, each head decodes the same prompts with SpecDecoder (chain of k, T = --temperature,
 default 0; at T > 0 each drafted position is sampled from q, seed i for prompt i), interleaved
-head by head; reported: draft_ms_per_step (head.draft, consuming the confirmed positions included)
-and verify_ms_per_step. EAGLE-3 pays one head forward per drafted token, DFlash one per block.
+prompt by prompt (the heads' order rotated each prompt, so no head always runs first); reported:
+draft_ms_per_step (head.draft, consuming the confirmed positions included) and verify_ms_per_step. EAGLE-3 pays one head forward per drafted token, DFlash one per block.
 Prompts: one short built-in prompt, decoded --prompts times; or --prompt-file (a prompt file as
 `draftkit eval --prompts` reads it), --limit of them spread over the file, each decoded once: the
 contexts of served traffic, whose length the heads' attention and first consume pay for.
@@ -82,13 +82,17 @@ def main() -> None:
         prompts = [encode(target.tokenizer, p) for p in every[::step][:a.limit]]
     rows = []
     for k in a.ks:
-        for name, head in heads.items():
-            dec = SpecDecoder(target, head, k=k, stop_ids=[])
+        decs = {name: SpecDecoder(target, head, k=k, stop_ids=[]) for name, head in heads.items()}
+        for dec in decs.values():
             dec.generate(prompts[:1], 4, params, [0])  # warm-up
-            steps = draft = verify = 0.0
-            for i, ids in enumerate(prompts):
-                _, st = dec.generate([ids], a.max_new_tokens, params, [i])
-                steps, draft, verify = steps + st.steps, draft + st.draft_s, verify + st.verify_s
+        sums = {name: [0.0, 0.0, 0.0] for name in decs}  # steps, draft s, verify s
+        names = list(decs)
+        for i, ids in enumerate(prompts):  # prompt by prompt, the heads' order rotated each prompt
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                _, st = decs[name].generate([ids], a.max_new_tokens, params, [i])
+                s = sums[name]
+                s[0], s[1], s[2] = s[0] + st.steps, s[1] + st.draft_s, s[2] + st.verify_s
+        for name, (steps, draft, verify) in sums.items():
             rows.append({"head": name, "k": k, "draft_ms_per_step": 1e3 * draft / steps,
                          "verify_ms_per_step": 1e3 * verify / steps, "steps": int(steps)})
             print(f"{name:7s} k={k}  draft {rows[-1]['draft_ms_per_step']:6.1f} ms/step  "
