@@ -12,7 +12,8 @@ native bf16, e.g. AVX2-only, where bf16 matmuls are emulated): drafting cost doe
 For each k, each head decodes the same prompts with SpecDecoder (chain of k, T = --temperature,
 default 0; at T > 0 each drafted position is sampled from q, seed i for prompt i), interleaved
 prompt by prompt (the heads' order rotated each prompt, so no head always runs first); reported:
-draft_ms_per_step (head.draft, consuming the confirmed positions included) and verify_ms_per_step. EAGLE-3 pays one head forward per drafted token, DFlash one per block.
+draft_ms_per_step (head.draft, consuming the confirmed positions included) and verify_ms_per_step.
+EAGLE-3 pays one head forward per drafted token, DFlash one per block.
 Prompts: one short built-in prompt, decoded --prompts times; or --prompt-file (a prompt file as
 `draftkit eval --prompts` reads it), --limit of them spread over the file, each decoded once: the
 contexts of served traffic, whose length the heads' attention and first consume pay for.
@@ -33,6 +34,7 @@ from draftkit.config import load_recipe
 from draftkit.heads import build_head
 from draftkit.inference.decoder import SpecDecoder
 from draftkit.inference.sampling import SamplingParams
+from draftkit.inference.stats import SpecStats
 from draftkit.target import cpu_flags, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,16 +87,14 @@ def main() -> None:
         decs = {name: SpecDecoder(target, head, k=k, stop_ids=[]) for name, head in heads.items()}
         for dec in decs.values():
             dec.generate(prompts[:1], 4, params, [0])  # warm-up
-        sums = {name: [0.0, 0.0, 0.0] for name in decs}  # steps, draft s, verify s
+        totals = {name: SpecStats(k) for name in decs}
         names = list(decs)
         for i, ids in enumerate(prompts):  # prompt by prompt, the heads' order rotated each prompt
             for name in names[i % len(names):] + names[:i % len(names)]:
-                _, st = decs[name].generate([ids], a.max_new_tokens, params, [i])
-                s = sums[name]
-                s[0], s[1], s[2] = s[0] + st.steps, s[1] + st.draft_s, s[2] + st.verify_s
-        for name, (steps, draft, verify) in sums.items():
-            rows.append({"head": name, "k": k, "draft_ms_per_step": 1e3 * draft / steps,
-                         "verify_ms_per_step": 1e3 * verify / steps, "steps": int(steps)})
+                totals[name] += decs[name].generate([ids], a.max_new_tokens, params, [i])[1]
+        for name, st in totals.items():
+            rows.append({"head": name, "k": k, "draft_ms_per_step": 1e3 * st.draft_s / st.steps,
+                         "verify_ms_per_step": 1e3 * st.verify_s / st.steps, "steps": st.steps})
             print(f"{name:7s} k={k}  draft {rows[-1]['draft_ms_per_step']:6.1f} ms/step  "
                   f"verify {rows[-1]['verify_ms_per_step']:6.1f} ms/step", flush=True)
     ms = {(r["head"], r["k"]): r["draft_ms_per_step"] for r in rows}
