@@ -8,7 +8,10 @@ Draft step i > 0 feeds its own o (pre-norm) back in place of g, with the next to
 unrolls `ttt_steps` such steps (step i at position t: token x_{t+1+i}, rotary position t+i) and
 each query attends to step-0 keys at positions <= t plus the keys of ITS OWN earlier steps at t
 (the "diagonal"): exactly the cache sequential drafting builds after the prefix 0..t.
-Loss = sum_i ttt_decay^i * KL(p_target restricted to the draft vocab, renormalised || p̂_i).
+Loss = sum_i ttt_decay^i * KL(p_target restricted to the draft vocab, renormalised || p̂_i), each
+step's mean over its positions; with loss_weighting "on_policy" only over the (position, step) states
+the greedy loop visits walking the sample (its roots, and the depths up to each root's first miss),
+over the number of roots.
 p_target is the target's full distribution (rebuilt from its final hidden state), or with
 train.target_topk = k its stored top-k restricted to the draft vocabulary and renormalised: the final
 hidden state is only the label here, so k * 6 bytes per token can stand in for its H * 2.
@@ -27,7 +30,7 @@ from torch import Tensor, nn
 from draftkit.heads.base import DraftHead, HeadConfig, HeadError, SampleFn
 from draftkit.heads.layers import (ChainState, DecoderLayer, LayerDims, LayerKV, RMSNorm, UnrolledMask,
                                    last_valid)
-from draftkit.heads.losses import kl_rows
+from draftkit.heads.losses import kl_rows, on_policy_weights
 from draftkit.heads.vocab import (DraftVocab, build_draft_vocab, check_draft_vocab_size, in_vocab_mean,  # noqa: F401
                                   token_counts)
 
@@ -52,6 +55,14 @@ class Eagle3Config(HeadConfig):
     # Start lm_head from the target's lm_head rows of the draft tokens ("target") or at random
     # as the reference does ("random").
     lm_head_init: Literal["target", "random"] = "target"
+    # Which unrolled (position, step) pairs the loss counts. "decay": every position as a root, step
+    # i weighing ttt_decay^i (the reference). "on_policy": only the states the greedy draft-verify
+    # loop visits when it walks the sample with ttt_steps drafts per step (heads/losses.py
+    # on_policy_weights: its roots, and at each the depths up to the first miss), step i still
+    # weighing ttt_decay^i, each step's sum over the number of roots: the loss is the loop's expected
+    # loss per step, so a depth weighs as often as the loop reaches it. The head's current drafts
+    # decide, so this follows it as it learns.
+    loss_weighting: Literal["decay", "on_policy"] = "decay"
 
     def fill_from_target(self, target) -> None:
         super().fill_from_target(target)
@@ -107,6 +118,8 @@ class Eagle3Head(DraftVocab, DraftHead):
         check_draft_vocab_size(config.draft_vocab_size, target)
         if config.ttt_steps < 1:
             raise HeadError(f"head.ttt_steps: must be >= 1, got {config.ttt_steps}")
+        if config.loss_weighting not in ("decay", "on_policy"):
+            raise HeadError(f"head.loss_weighting: 'decay' or 'on_policy', got {config.loss_weighting!r}")
 
     # ---- the draft vocabulary (d2t / t2d, set_draft_vocab, to_target_logits: draftkit.heads.vocab) ----
     def draft_vocab_changed(self) -> None:
@@ -159,7 +172,7 @@ class Eagle3Head(DraftVocab, DraftHead):
         lm = (features.loss_mask if features.loss_mask is not None else attn).bool() & attn
         T = ids.shape[1]
         outs = self.unroll(features)
-        total, metrics = 0.0, {}
+        sups, kls, hits, metrics = [], [], [], {}
         for i, o in enumerate(outs):
             # Step i at t predicts x_{t+2+i}: supervised when that is a loss token (t < n); the
             # target's distribution for it sits at t+1+i.
@@ -171,21 +184,37 @@ class Eagle3Head(DraftVocab, DraftHead):
                 teacher = (self.topk_on_draft_vocab, rows(features.topk_ids), rows(features.topk_logp))
             else:  # the target's logits, rebuilt from its final hidden state
                 teacher = (self.target_on_draft_vocab, rows(features.final_hidden), rows(features.top1))
-            kl, acc, used = self.step_loss(o[sup], *teacher)
-            total = total + c.ttt_decay ** i * kl
-            metrics[f"kl_{i}"], metrics[f"acc_{i}"] = kl.detach(), acc
-            metrics.setdefault("tokens", torch.tensor(float(used)))
+            kl, hit, top = self.step_rows(o[sup], *teacher)
+            sups.append(sup)
+            kls.append(kl * self.t2d[top].float())  # rows whose top-1 the draft vocabulary lacks: left out
+            hits.append(hit)
+            metrics[f"kl_{i}"] = in_vocab_mean(kl, top, self.t2d)
+            metrics[f"acc_{i}"] = hit.float().sum() / max(hit.shape[0], 1)
+            metrics.setdefault("tokens", torch.tensor(float(hit.shape[0])))
+        if c.loss_weighting == "on_policy":
+            grid = torch.zeros(len(sups), *sups[0].shape, dtype=torch.bool, device=ids.device)  # (S, B, T-1)
+            for i, (sup, hit) in enumerate(zip(sups, hits)):
+                grid[i][sup] = hit
+            w = on_policy_weights(grid.transpose(0, 1), torch.stack(sups, 1))  # (B, S, T-1)
+            roots = w[:, 0].sum()
+            total = sum(c.ttt_decay ** i * (kl * w[:, i][sups[i]]).sum() for i, kl in enumerate(kls)) / roots.clamp(min=1)
+            metrics["roots"] = roots / sups[0].sum().clamp(min=1)  # share of positions the walk roots at
+            for i in range(1, len(kls)):
+                metrics[f"reach_{i}"] = w[:, i].sum() / roots.clamp(min=1)  # share of roots verified at step i
+        else:
+            total = sum(c.ttt_decay ** i * metrics[f"kl_{i}"] for i in range(len(kls)))
+        for i in range(len(kls)):
+            metrics[f"kl_{i}"] = metrics[f"kl_{i}"].detach()
         return {"loss": total, "acc": metrics["acc_0"], **metrics}
 
-    def step_loss(self, o: Tensor, teacher, *teacher_in: Tensor | None) -> tuple[Tensor, Tensor, int]:
-        """KL over M supervised positions: o (M, H) -> (kl, acc, M). teacher(*teacher_in) gives the
-        target's (M, N) draft-vocabulary logits and (M,) top-1: target_on_draft_vocab over the final
-        hidden (M, H) and top1 (M,) | None, or topk_on_draft_vocab over the top-k (M, k) ids and log-probs."""
+    def step_rows(self, o: Tensor, teacher, *teacher_in: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-row KL over M supervised positions: o (M, H) -> (kl (M,), hit (M,) bool: the head's argmax
+        is the target's top-1, the target's top-1 (M,)). teacher(*teacher_in) gives the target's (M, N)
+        draft-vocabulary logits and (M,) top-1: target_on_draft_vocab over the final hidden (M, H) and
+        top1 (M,) | None, or topk_on_draft_vocab over the top-k (M, k) ids and log-probs."""
         # rows in chunks over the draft vocabulary (heads/losses.py): no (M, N) tensors kept
         kl, pred, top = kl_rows(self.logits, teacher, o, *teacher_in, vocab=self.lm_head.weight.shape[0])
-        M = o.shape[0]
-        acc = (self.draft_ids[pred] == top).float().sum().detach() / max(M, 1)
-        return in_vocab_mean(kl, top, self.t2d), acc, M
+        return kl, (self.draft_ids[pred] == top).detach(), top
 
     # ---- drafting ----
     def new_draft_state(self, batch_size: int) -> ChainState:

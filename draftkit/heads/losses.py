@@ -8,6 +8,9 @@ when there is more than one chunk each runs under activation checkpointing, so t
 recomputes one chunk's logits at a time and only (M,) vectors are kept. One chunk (the CPU recipes:
 2048 rows x 8192 draft tokens) runs exactly as before, without recomputation.
 
+`on_policy_weights` reweighs an unrolled chain loss to the states the draft-verify loop visits
+(head.loss_weighting: on_policy).
+
 A teacher may be sparse (the target's stored top-k, train.target_topk): its logits are -inf off
 its support, and the KL counts only the support, with exact zeros elsewhere (never 0 * -inf).
 """
@@ -72,3 +75,33 @@ def kl_rows(student: Student, teacher: Teacher, h: Tensor, *teacher_in: Tensor |
         else:
             parts.append(_kl_chunk(student, teacher, *args))
     return tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
+
+
+def on_policy_weights(hits: Tensor, supervised: Tensor) -> Tensor:
+    """Which (root, depth) states the greedy draft-verify loop visits when it runs over a sample.
+
+    hits, supervised: (B, D, L) bool: hits[b, d, t] = the head's depth-d draft from root t (its
+    argmax) equals the target's top-1, on a supervised row. At T = 0 the loop's rollout over a
+    sample of the target's greedy text IS that text, so its states are a subset of the training
+    ones (Draft-OPD's "target-assisted rollout" collapses onto the data); which subset is the
+    loop's walk. From the first supervised root t it drafts depths 0..D-1, accepts the m leading
+    hits, takes the target's token, and its next root is t + m + 1; a root with no supervised
+    depth 0 is skipped to the next one. At a root, depth d is verified only when depths < d all
+    hit: the first miss is the verification-exposed error, the depths after it are never seen.
+    Returns (B, D, L) float: 1 on the visited (root, depth) states, 0 elsewhere.
+    """
+    B, D, L = hits.shape
+    hits = hits & supervised
+    reach = torch.cat([torch.ones_like(hits[:, :1]), hits[:, :-1].long().cumprod(1).bool()], 1)  # depths < d all hit
+    run = hits.long().cumprod(1).sum(1).tolist()  # (B, L) accepted drafts at each root
+    ok = supervised[:, 0].tolist()
+    roots = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        t = 0
+        while t < L:
+            if ok[b][t]:
+                roots[b, t] = True
+                t += run[b][t] + 1
+            else:
+                t += 1
+    return (roots.to(hits.device)[:, None] & reach & supervised).float()
