@@ -172,7 +172,7 @@ class Eagle3Head(DraftVocab, DraftHead):
         lm = (features.loss_mask if features.loss_mask is not None else attn).bool() & attn
         T = ids.shape[1]
         outs = self.unroll(features)
-        sups, kls, hits, metrics = [], [], [], {}
+        means, kls, sups, hits, metrics = [], [], [], [], {}
         for i, o in enumerate(outs):
             # Step i at t predicts x_{t+2+i}: supervised when that is a loss token (t < n); the
             # target's distribution for it sits at t+1+i.
@@ -185,26 +185,24 @@ class Eagle3Head(DraftVocab, DraftHead):
             else:  # the target's logits, rebuilt from its final hidden state
                 teacher = (self.target_on_draft_vocab, rows(features.final_hidden), rows(features.top1))
             kl, hit, top = self.step_rows(o[sup], *teacher)
-            sups.append(sup)
+            means.append(in_vocab_mean(kl, top, self.t2d))
             kls.append(kl * self.t2d[top].float())  # rows whose top-1 the draft vocabulary lacks: left out
-            hits.append(hit)
-            metrics[f"kl_{i}"] = in_vocab_mean(kl, top, self.t2d)
+            grid = torch.zeros_like(sup)  # (B, T-1): this step's hits where it is supervised
+            grid[sup] = hit
+            sups.append(sup)
+            hits.append(grid)
+            metrics[f"kl_{i}"] = means[-1].detach()
             metrics[f"acc_{i}"] = hit.float().sum() / max(hit.shape[0], 1)
             metrics.setdefault("tokens", torch.tensor(float(hit.shape[0])))
         if c.loss_weighting == "on_policy":
-            grid = torch.zeros(len(sups), *sups[0].shape, dtype=torch.bool, device=ids.device)  # (S, B, T-1)
-            for i, (sup, hit) in enumerate(zip(sups, hits)):
-                grid[i][sup] = hit
-            w = on_policy_weights(grid.transpose(0, 1), torch.stack(sups, 1))  # (B, S, T-1)
+            w = on_policy_weights(torch.stack(hits, 1), torch.stack(sups, 1))  # (B, S, T-1)
             roots = w[:, 0].sum()
             total = sum(c.ttt_decay ** i * (kl * w[:, i][sups[i]]).sum() for i, kl in enumerate(kls)) / roots.clamp(min=1)
             metrics["roots"] = roots / sups[0].sum().clamp(min=1)  # share of positions the walk roots at
             for i in range(1, len(kls)):
                 metrics[f"reach_{i}"] = w[:, i].sum() / roots.clamp(min=1)  # share of roots verified at step i
         else:
-            total = sum(c.ttt_decay ** i * metrics[f"kl_{i}"] for i in range(len(kls)))
-        for i in range(len(kls)):
-            metrics[f"kl_{i}"] = metrics[f"kl_{i}"].detach()
+            total = sum(c.ttt_decay ** i * m for i, m in enumerate(means))
         return {"loss": total, "acc": metrics["acc_0"], **metrics}
 
     def step_rows(self, o: Tensor, teacher, *teacher_in: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
