@@ -105,3 +105,37 @@ def test_on_policy_loss_trains(fitted):
     finally:
         head.config.loss_weighting = "decay"
         head.zero_grad()
+
+
+def test_on_policy_from_schedules_the_switch(fitted):
+    """head.on_policy_from = s: the steps before s train with decay, s and after on-policy; the head
+    reads the step from steps_done, which the trainer sets (the run test below)."""
+    target, head = fitted
+    ids = torch.tensor([PROMPTS[1] + [3, 4, 5, 6, 7, 8, 9, 10]])
+    feats = target.features(ids, torch.ones_like(ids), head.feature_layers)
+    c = head.config
+    try:
+        with torch.no_grad():
+            decay = head.loss(feats)["loss"]
+            c.loss_weighting = "on_policy"
+            on_policy = head.loss(feats)["loss"]
+            c.on_policy_from = 5
+            for done, want in ((0, decay), (4, decay), (5, on_policy), (9, on_policy)):
+                head.steps_done = done
+                got = head.loss(feats)
+                torch.testing.assert_close(got["loss"], want, rtol=0, atol=0, msg=f"steps_done={done}")
+                assert ("roots" in got) == (done >= 5)
+        assert not torch.isclose(decay, on_policy)
+    finally:
+        c.loss_weighting, c.on_policy_from, head.steps_done = "decay", 0, 0
+
+
+def test_on_policy_from_without_on_policy_is_refused(fitted):
+    from draftkit.heads.base import HeadError
+
+    target, _ = fitted
+    with pytest.raises(HeadError, match=r"head.on_policy_from=4 .*loss_weighting is 'decay'"):
+        build_head({"type": "eagle3", "draft_vocab_size": 48, "on_policy_from": 4}, target)
+    with pytest.raises(HeadError, match=r"head.on_policy_from: a training step >= 0, got -1"):
+        build_head({"type": "eagle3", "draft_vocab_size": 48, "loss_weighting": "on_policy",
+                    "on_policy_from": -1}, target)

@@ -236,6 +236,33 @@ def test_kill_and_resume_equals_uninterrupted_run(tiny_model_dir, prompt_file, t
     assert not torch.equal(head_weights(tmp_path / "short")["fc.weight"], a["fc.weight"])
 
 
+
+@pytest.mark.integration
+def test_on_policy_warm_start_switches_at_its_step_and_resumes_exactly(tiny_model_dir, prompt_file, tmp_path):
+    """EAGLE-3 with head.on_policy_from = 3: the trainer tells the head the steps done, so steps 1-3
+    train with decay and 4 on on-policy (its walk metric `roots` logged from there); killed after step
+    3 and resumed from the step-2 checkpoint, the switch falls on the same step and the weights equal
+    the uninterrupted run's."""
+    cache = tmp_path / "cache"
+    common = ["train.max_steps=6", "train.save_every=2", "train.epochs=2", "train.log_every=1",
+              "head.type=eagle3", "head.ttt_steps=2", "head.feature_layers=[1, 2, 3]",
+              "head.loss_weighting=on_policy", "head.on_policy_from=3"]
+    run = lambda out, env=None: python_run(recipe_args(tiny_model_dir, prompt_file, tmp_path / out, cache, *common),
+                                           env_extra=env)  # noqa: E731
+    full = run("full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    log = [json.loads(line) for line in (tmp_path / "full" / "train_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log if "roots" in row] == [4, 5, 6]
+    assert [row["step"] for row in log if "roots" not in row] == [1, 2, 3]
+    killed = run("res", {"DRAFTKIT_FAULT_KILL_AFTER_STEP": "3"})
+    assert killed.returncode == -9
+    resumed = run("res")
+    assert resumed.returncode == 0 and "at step 2" in resumed.stderr, resumed.stderr[-3000:]
+    a, b = head_weights(tmp_path / "full"), head_weights(tmp_path / "res")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_resume_without_the_rng_state_is_refused_naming_the_file(tmp_path):
     from draftkit.train.checkpoint import ResumeError, load
 

@@ -113,6 +113,10 @@ class DraftHead(nn.Module):
     # keys fewer than this many positions behind each query. The engine loop sets it to the window
     # vLLM puts on a served drafter (export/vllm.py: draft_window); heads without attention ignore it.
     attention_window: int | None = None
+    # Training only: the optimizer steps done before the current one. The trainer sets it before each
+    # step (resumed runs included: it is the loop's own counter), so a loss can follow a schedule
+    # (EAGLE-3's head.on_policy_from); outside training it stays 0.
+    steps_done: int = 0
 
     def __init__(self, config: HeadConfig, shared: SharedModules | None = None):
         super().__init__()

@@ -11,7 +11,7 @@ each query attends to step-0 keys at positions <= t plus the keys of ITS OWN ear
 Loss = sum_i ttt_decay^i * KL(p_target restricted to the draft vocab, renormalised || p̂_i), each
 step's mean over its positions; with loss_weighting "on_policy" only over the (position, step) states
 the greedy loop visits walking the sample (its roots, and the depths up to each root's first miss),
-over the number of roots.
+over the number of roots, from training step on_policy_from on (decay before it: a warm start).
 p_target is the target's full distribution (rebuilt from its final hidden state), or with
 train.target_topk = k its stored top-k restricted to the draft vocabulary and renormalised: the final
 hidden state is only the label here, so k * 6 bytes per token can stand in for its H * 2.
@@ -63,6 +63,10 @@ class Eagle3Config(HeadConfig):
     # loss per step, so a depth weighs as often as the loop reaches it. The head's current drafts
     # decide, so this follows it as it learns.
     loss_weighting: Literal["decay", "on_policy"] = "decay"
+    # With "on_policy": the training step from which it counts; the steps before it train with "decay"
+    # (Draft-OPD's warm start: the head first learns the data, then its own drafts decide which states
+    # count). 0 = on-policy from the first step.
+    on_policy_from: int = 0
 
     def fill_from_target(self, target) -> None:
         super().fill_from_target(target)
@@ -120,6 +124,11 @@ class Eagle3Head(DraftVocab, DraftHead):
             raise HeadError(f"head.ttt_steps: must be >= 1, got {config.ttt_steps}")
         if config.loss_weighting not in ("decay", "on_policy"):
             raise HeadError(f"head.loss_weighting: 'decay' or 'on_policy', got {config.loss_weighting!r}")
+        if not isinstance(config.on_policy_from, int) or isinstance(config.on_policy_from, bool) or config.on_policy_from < 0:
+            raise HeadError(f"head.on_policy_from: a training step >= 0, got {config.on_policy_from!r}")
+        if config.on_policy_from and config.loss_weighting != "on_policy":
+            raise HeadError(f"head.on_policy_from={config.on_policy_from} schedules on-policy weighting, "
+                            f"but head.loss_weighting is {config.loss_weighting!r} (set it to 'on_policy')")
 
     # ---- the draft vocabulary (d2t / t2d, set_draft_vocab, to_target_logits: draftkit.heads.vocab) ----
     def draft_vocab_changed(self) -> None:
@@ -194,7 +203,7 @@ class Eagle3Head(DraftVocab, DraftHead):
             metrics[f"kl_{i}"] = means[-1].detach()
             metrics[f"acc_{i}"] = hit.float().sum() / max(hit.shape[0], 1)
             metrics.setdefault("tokens", torch.tensor(float(hit.shape[0])))
-        if c.loss_weighting == "on_policy":
+        if c.loss_weighting == "on_policy" and self.steps_done >= c.on_policy_from:
             w = on_policy_weights(torch.stack(hits, 1), torch.stack(sups, 1))  # (B, S, T-1)
             roots = w[:, 0].sum()
             total = sum(c.ttt_decay ** i * (kl * w[:, i][sups[i]]).sum() for i, kl in enumerate(kls)) / roots.clamp(min=1)

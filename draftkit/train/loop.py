@@ -277,6 +277,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         totals: dict[str, float] = {}
+        self.head.steps_done = step  # a loss's schedule (DraftHead.steps_done) follows the loop's counter
         for micro in range(self.accum):
             out = self.engine(self.micro_batch(step, micro))
             loss = out["loss"]
