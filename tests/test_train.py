@@ -236,7 +236,6 @@ def test_kill_and_resume_equals_uninterrupted_run(tiny_model_dir, prompt_file, t
     assert not torch.equal(head_weights(tmp_path / "short")["fc.weight"], a["fc.weight"])
 
 
-
 @pytest.mark.integration
 def test_on_policy_warm_start_switches_at_its_step_and_resumes_exactly(tiny_model_dir, prompt_file, tmp_path):
     """EAGLE-3 with head.on_policy_from = 3: the trainer tells the head the steps done, so steps 1-3

@@ -124,7 +124,7 @@ class Eagle3Head(DraftVocab, DraftHead):
             raise HeadError(f"head.ttt_steps: must be >= 1, got {config.ttt_steps}")
         if config.loss_weighting not in ("decay", "on_policy"):
             raise HeadError(f"head.loss_weighting: 'decay' or 'on_policy', got {config.loss_weighting!r}")
-        if not isinstance(config.on_policy_from, int) or isinstance(config.on_policy_from, bool) or config.on_policy_from < 0:
+        if config.on_policy_from < 0:  # an int: the schema (draftkit/schema.py) checked the type
             raise HeadError(f"head.on_policy_from: a training step >= 0, got {config.on_policy_from!r}")
         if config.on_policy_from and config.loss_weighting != "on_policy":
             raise HeadError(f"head.on_policy_from={config.on_policy_from} schedules on-policy weighting, "
@@ -181,6 +181,7 @@ class Eagle3Head(DraftVocab, DraftHead):
         lm = (features.loss_mask if features.loss_mask is not None else attn).bool() & attn
         T = ids.shape[1]
         outs = self.unroll(features)
+        on_policy = c.loss_weighting == "on_policy" and self.steps_done >= c.on_policy_from
         means, kls, sups, hits, metrics = [], [], [], [], {}
         for i, o in enumerate(outs):
             # Step i at t predicts x_{t+2+i}: supervised when that is a loss token (t < n); the
@@ -195,15 +196,16 @@ class Eagle3Head(DraftVocab, DraftHead):
                 teacher = (self.target_on_draft_vocab, rows(features.final_hidden), rows(features.top1))
             kl, hit, top = self.step_rows(o[sup], *teacher)
             means.append(in_vocab_mean(kl, top, self.t2d))
-            kls.append(kl * self.t2d[top].float())  # rows whose top-1 the draft vocabulary lacks: left out
-            grid = torch.zeros_like(sup)  # (B, T-1): this step's hits where it is supervised
-            grid[sup] = hit
-            sups.append(sup)
-            hits.append(grid)
+            if on_policy:  # the walk's inputs: per-row KL and this step's hits laid out (B, T-1)
+                kls.append(kl * self.t2d[top].float())  # rows whose top-1 the draft vocabulary lacks: left out
+                grid = torch.zeros_like(sup)
+                grid[sup] = hit
+                sups.append(sup)
+                hits.append(grid)
             metrics[f"kl_{i}"] = means[-1].detach()
             metrics[f"acc_{i}"] = hit.float().sum() / max(hit.shape[0], 1)
             metrics.setdefault("tokens", torch.tensor(float(hit.shape[0])))
-        if c.loss_weighting == "on_policy" and self.steps_done >= c.on_policy_from:
+        if on_policy:
             w = on_policy_weights(torch.stack(hits, 1), torch.stack(sups, 1))  # (B, S, T-1)
             roots = w[:, 0].sum()
             total = sum(c.ttt_decay ** i * (kl * w[:, i][sups[i]]).sum() for i, kl in enumerate(kls)) / roots.clamp(min=1)
