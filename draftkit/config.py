@@ -184,12 +184,27 @@ class GroundedSettings:
     # Responses joined (blank line between) into the text of one task: several make the long,
     # multi-document contexts of RAG and summarization (raise data.max_length to fit them).
     passages: int = 1
+    # Whose text the passages are. "target": the target's own answers to the other training prompts
+    # (its style, its vocabulary). "sources": the sources' own replies to the training prompts loaded
+    # from data.sources (Prompt.reply: ShareGPT / OpenAI assistant turns), text the target did not
+    # write, as a served model's documents (news, Wikipedia, a user's files) are not its own; each is
+    # cut to whole sentences within max_chars. Needs sources whose records carry replies (refused
+    # otherwise). Such passages are not target_text (data.loss_on: target_text trains on the task's
+    # answer only); back_translate's German is, as the target writes it either way.
+    passages_from: Literal["target", "sources"] = "target"
+    # passages_from: sources: the longest passage in characters, cut at a sentence end within it
+    # (the target's answers are cut at data.responses.max_new_tokens; 1000 characters is about
+    # 230 tokens, near the 192 the recipes allow an answer).
+    max_chars: int = 1000
 
     def __post_init__(self):
         if not 0.0 <= self.fraction < 1.0:
             raise ConfigError(f"data.grounded.fraction: expected 0 <= fraction < 1, got {self.fraction}")
         if self.passages < 1:
             raise ConfigError(f"data.grounded.passages: expected >= 1 responses per task, got {self.passages}")
+        if self.max_chars < self.min_chars:
+            raise ConfigError(f"data.grounded.max_chars: expected >= data.grounded.min_chars ({self.min_chars}), "
+                              f"got {self.max_chars}")
         unknown = [t for t in self.tasks if t not in GROUNDED_TASKS]
         if unknown or not self.tasks:
             raise ConfigError(f"data.grounded.tasks: unknown {unknown or 'empty list'}; "
@@ -255,7 +270,8 @@ class DataConfig:
 # Settings added after data was prepared and runs were trained under keys that did not have them: at
 # these defaults they are left out of Recipe.fingerprint and of the prepared data's key
 # (distill/prepare.py), so that those keys, and the data and checkpoints stored under them, stay valid.
-LATER_DEFAULTS = {("synthesize", "fraction"): 0.0}
+LATER_DEFAULTS = {("synthesize", "fraction"): 0.0, ("grounded", "passages_from"): "target",
+                  ("grounded", "max_chars"): 1000}
 
 
 def without_later_defaults(data: dict) -> dict:

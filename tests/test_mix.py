@@ -59,6 +59,59 @@ def test_mixture_holds_the_stated_shares_of_sources_synthesized_and_grounded(mod
     assert all(set(c.prompt.target_text) <= answers for c in convs if part(c.prompt) == "grounded")
 
 
+def reply_file(tmp_path: Path, n: int = 12) -> Path:
+    """ShareGPT-shaped records whose replies are long, several sentences, and written by no model here."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"Tell me about harbour {i}."},
+        {"from": "gpt", "value": " ".join(f"Harbour {i} sentence {j} mentions Oslo and 19{i:02d}." for j in range(12))}]})
+        + "\n" for i in range(n)))
+    return path
+
+
+def test_grounded_passages_from_the_sources_are_their_replies_to_training_prompts(model, tokenizer, tmp_path,
+                                                                                  generated_rows):
+    """passages_from: sources: each task's passage is the reply a training record carries, cut to whole
+    sentences within max_chars; never a held-aside record's, never what the target said; not target_text.
+    The plain prompts and the held-aside split are those of passages_from: target."""
+    grounded = GroundedSettings(fraction=0.25, tasks=["summarize", "answer"], min_chars=20, max_chars=120,
+                                passages_from="sources")
+    data = DataConfig(sources=[PromptSource(str(reply_file(tmp_path)))], responses=SAMPLED, grounded=grounded,
+                      holdout=2)
+    convs, holdout, stats = prepare_conversations(ctx(model, tokenizer, tmp_path / "a", data=data, seed=0), 8)
+    assert stats["mixture"] == {"sources": 6, "synthesized": 0, "grounded": 2}
+    tasks = [c.prompt for c in convs if part(c.prompt) == "grounded"]
+    plain = [c for c in convs if part(c.prompt) != "grounded"]
+    replies = {c.prompt.reply: c.prompt for c in plain}
+    assert len(tasks) == 2 and all(t.target_text == () for t in tasks)
+    for t in tasks:
+        text = t.messages[0]["content"]
+        (reply,) = [r for r in replies if r[:40] in text]  # the passage opens one training record's reply
+        passage = next(excerpt for n in range(len(reply), 0, -1) if (excerpt := reply[:n]) in text)
+        assert passage.endswith(".") and len(passage) <= 120 and reply.startswith(passage)
+        assert not any(c.response.strip()[:30] in text for c in plain if c.response.strip())
+    assert not any(p.reply[:40] in t.messages[0]["content"] for p in holdout for t in tasks)
+    target = dataclasses.replace(data, grounded=dataclasses.replace(grounded, passages_from="target"))
+    convs_t, holdout_t, _ = prepare_conversations(ctx(model, tokenizer, tmp_path / "b", data=target, seed=0), 8)
+    assert [p.id for p in holdout_t] == [p.id for p in holdout]
+    assert [c.prompt.id for c in convs_t if part(c.prompt) != "grounded"] == [c.prompt.id for c in plain]
+
+
+def test_grounded_passages_from_sources_refuse_sources_without_replies(model, tokenizer, tmp_path):
+    grounded = GroundedSettings(fraction=0.25, min_chars=1, passages_from="sources")
+    no_replies = DataConfig(sources=[PromptSource(str(share_file(tmp_path)))], responses=SAMPLED,
+                            grounded=grounded, holdout=2)
+    with pytest.raises(ValueError, match=r"passages_from: sources .*none of the 6 training prompts has one"):
+        prepare_conversations(ctx(model, tokenizer, tmp_path / "a", data=no_replies), 8)
+    with pytest.raises(ValueError, match=r"passages_from: sources .*data.sources, which is empty"):
+        prepare_conversations(ctx(model, tokenizer, tmp_path / "b", data=DataConfig(
+            responses=SAMPLED, grounded=grounded, holdout=2)), 8)
+    with pytest.raises(ConfigError, match=r"data\.grounded\.passages_from"):
+        load_recipe(ROOT / "recipes" / "eagle-mix.yaml", ["data.grounded.passages_from=mine"])
+    with pytest.raises(ConfigError, match=r"data\.grounded\.max_chars"):
+        GroundedSettings(min_chars=200, max_chars=100)
+
+
 def test_one_part_alone_gives_the_prompts_it_gave_before(model, tokenizer, tmp_path):
     """No synthesize.fraction: the sources' own order, held-aside ones first (the data of earlier runs);
     no sources: the Magpie cache's order."""
@@ -125,6 +178,11 @@ def test_the_share_is_in_the_data_key_and_out_of_the_prompt_cache_key(model, tok
                                                               "data.synthesize.fraction=0.1"])
     assert _fingerprint_payload(mix, Shell, 10)["data"]["synthesize"]["fraction"] == 0.2
     assert mix.fingerprint() != other.fingerprint()
+    assert "passages_from" not in _fingerprint_payload(mix, Shell, 10)["data"]["grounded"]  # later, at its default
+    sourced = load_recipe(ROOT / "recipes" / "eagle-mix.yaml", ["data.responses.engine=hf",
+                                                                "data.grounded.passages_from=sources"])
+    assert _fingerprint_payload(sourced, Shell, 10)["data"]["grounded"]["passages_from"] == "sources"
+    assert sourced.fingerprint() != mix.fingerprint()
     a = synthesize_cached(ctx(model, tokenizer, tmp_path, data=DataConfig()), 2, SYNTH)
     files = sorted(tmp_path.glob("prompts-*.jsonl"))
     b = synthesize_cached(ctx(model, tokenizer, tmp_path, data=DataConfig()), 2,

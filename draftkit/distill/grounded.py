@@ -1,4 +1,4 @@
-"""Prompts grounded in a passage, built from the target's own answers.
+"""Prompts grounded in a passage, built from the target's own answers (or the sources' replies).
 
 Much of what a served model is asked works over text in the prompt: summarize this, answer from
 these documents, translate, rewrite, list the key points. Its answers then reuse that text, and a
@@ -6,7 +6,11 @@ draft head only learns to predict the reuse if it trains on such prompts. Chat p
 (Magpie's, or most chat sets) are short questions with nothing to draw on. So a share of the
 training prompts (`data.grounded.fraction`) is built here from the responses the target already
 gave to the plain prompts: each such response becomes the passage of a task, and the target then
-answers the task like any other prompt (its answer is what the head learns).
+answers the task like any other prompt (its answer is what the head learns). With
+`data.grounded.passages_from: sources` the passages are instead the sources' own replies to the
+training prompts (`source_passages`: ShareGPT's assistant turns, cut to whole sentences within
+`max_chars`): text the target did not write, as the documents a served model is handed are not its
+own, so the head learns how the target reuses someone else's words, names and numbers.
 
 One kind takes two passes: `back_translate` (Spec-Bench's translation prompts are German -> English,
 while `translate` asks the target to write the other language). Its first pass asks the target to
@@ -54,7 +58,8 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
     """n prompts, each a task over settings.passages responses of `convs` joined (each response
     used at most once while there are unused ones), deterministic in (convs, n, settings, seed) and,
     for back_translate, in what `answer` says to the first passes (one call, more for cut ones; back_translate
-    needs it). Each prompt names its passages as `target_text` (they are the target's own text).
+    needs it). Each prompt names its passages as `target_text` when they are the target's own text
+    (settings.passages_from "target"; with "sources" only back_translate's German is).
     A back_translate whose German is under half as long as its English (german_chars) is dropped (logged); one whose
     first pass or source answer was cut at max_new_tokens takes a spare answer's German instead
     (module docstring; dropped, logged, only when no spare finishes within REDRAW_ROUNDS more calls)."""
@@ -67,7 +72,25 @@ def grounded_prompts(convs: list[Conversation], n: int, settings: GroundedSettin
     drawn, order = _draw(passages, n, settings, seed)
     if any(task == "back_translate" for task, _, _ in drawn):
         drawn = _back_translated(drawn, passages, order, settings, answer)
-    return [_task_prompt(task, texts, text) for task, (texts, text), _ in drawn]
+    own = settings.passages_from == "target"
+    return [_task_prompt(task, texts if own or task == "back_translate" else (), text)
+            for task, (texts, text), _ in drawn]
+
+
+def source_passages(prompts: list[Prompt], settings: GroundedSettings) -> list[Conversation]:
+    """The passages of data.grounded.passages_from: sources, shaped as grounded_prompts takes them: each
+    prompt's own reply (Prompt.reply) cut to whole sentences within settings.max_chars (`excerpt`), as
+    the response of a Conversation that was not cut (truncated False, num_tokens 0: nothing was
+    generated). Prompts without a reply (synthesized ones, prompt-only records) give none; ValueError
+    when none of `prompts` has one."""
+    out = [Conversation(p, excerpt(p.reply, settings.max_chars), False, 0) for p in prompts if p.reply
+           and p.reply.strip()]
+    if not out:
+        raise ValueError(f"data.grounded.passages_from: sources takes its passages from the replies the "
+                         f"records of data.sources carry (ShareGPT / OpenAI assistant turns), and none of the "
+                         f"{len(prompts)} training prompts has one: use sources with replies, or passages_from: "
+                         f"target")
+    return out
 
 
 def _draw(passages: list[Conversation], n: int, settings: GroundedSettings, seed: int) -> tuple[list[tuple], list[int]]:

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from functools import partial
 
 from .context import DataContext
-from .grounded import grounded_prompts
+from .grounded import grounded_prompts, source_passages
 from .regenerate import Conversation, chat_ids, end_of_turn_ids, regenerate, responses
 from .sources import Prompt, load_prompts
 from .synthesize import synthesize_cached
@@ -199,7 +199,8 @@ def prepare_conversations(ctx: DataContext, num_samples: int) -> tuple[list[Conv
     tasks = []
     if num_grounded:
         first_pass = partial(regenerate, ctx, settings=d.responses)  # back_translate's German, as the target says it
-        tasks = _first_of_each(grounded_prompts(convs, num_grounded, d.grounded, ctx.seed, first_pass), seen)
+        passages = convs if d.grounded.passages_from == "target" else source_passages(train, d.grounded)
+        tasks = _first_of_each(grounded_prompts(passages, num_grounded, d.grounded, ctx.seed, first_pass), seen)
         convs = convs + regenerate(ctx, tasks, d.responses)
     from_synth = sum(p.key() in synthesized for p in train)
     stats = dict(prompts=len(plain) + len(holdout) + num_grounded, holdout=len(holdout), grounded=num_grounded,
@@ -265,8 +266,13 @@ def _grounded_count(ctx: DataContext, num_samples: int) -> int:
         raise ValueError("data.responses.mode: keep trains on the sources' own replies; data.sources is empty "
                          "(synthesized prompts have none): add sources or use mode: regenerate")
     if d.responses.mode == "keep" and d.grounded.fraction:
-        raise ValueError("data.grounded.fraction: grounded passages must be the target's own answers, which "
-                         "data.responses.mode: keep does not produce; set it to 0 or use mode: regenerate")
+        raise ValueError("data.grounded.fraction: grounded tasks are answered by the target (and their passages "
+                         "are its answers unless passages_from: sources), which data.responses.mode: keep does "
+                         "not do; set it to 0 or use mode: regenerate")
+    if d.grounded.fraction and d.grounded.passages_from == "sources" and not d.sources:
+        raise ValueError("data.grounded.passages_from: sources takes its passages from the replies in "
+                         "data.sources, which is empty (synthesized prompts have none): add sources with "
+                         "replies or use passages_from: target")
     num_grounded = round(num_samples * d.grounded.fraction)
     if ctx.fmt == "text" and num_grounded:  # its tasks are chat instructions ("Summarize ..."): no use to a base model
         log.warning("data.grounded.fraction %s ignored in completion mode (data.format: text)", d.grounded.fraction)
