@@ -19,6 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
+from draftkit.inference.evaluate import read_prompt_file
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DEFAULT_SETS = [SHARED / "train" / f"{name}_80.jsonl" for name in ("gsm8k", "humaneval", "alpaca", "vicuna_bench")]
 PREFIX = 120
@@ -29,15 +31,8 @@ def _norm(text: str) -> str:
 
 
 def _first_turns(path: Path) -> list[str]:
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        turns = json.loads(line).get("turns")
-        if not turns or not isinstance(turns[0], str):
-            raise SystemExit(f"{path}:{n}: expected a record with a non-empty `turns` list of strings")
-        out.append(turns[0])
-    return out
+    """The user turn of each prompt in a prompt file (any shape draftkit reads; errors name the file)."""
+    return [p.messages[-1]["content"] for p in read_prompt_file(path)]
 
 
 def overlaps(prompt: str, measured: list[str]) -> bool:
