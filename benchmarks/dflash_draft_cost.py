@@ -7,8 +7,9 @@
     python benchmarks/dflash_draft_cost.py --dflash-layers 2 5 ...       # the recipe's DFlash beside a 5-layer one
 
 Both heads are built fresh (untrained) from the `head:` sections of recipes/dflash.yaml (its block
-widened to max(--ks) + 1 where shorter, and printed) and recipes/eagle3.yaml on the embedded target in --dtype (default bf16; float32 on a CPU without
-native bf16, e.g. AVX2-only, where bf16 matmuls are emulated): drafting cost does not depend on the weights.
+widened to max(--ks) + 1 where shorter, and printed) and recipes/eagle3.yaml on the embedded target
+in --dtype (default bf16; float32 on a CPU without native bf16, e.g. AVX2-only, where bf16 matmuls
+are emulated): drafting cost does not depend on the weights.
 For each k, each head decodes the same prompts with SpecDecoder (chain of k, T = --temperature,
 default 0; at T > 0 each drafted position is sampled from q, seed i for prompt i), interleaved
 prompt by prompt (the heads' order rotated each prompt, so no head always runs first); reported:
@@ -64,9 +65,10 @@ def main() -> None:
     heads = {}
     specs = {"eagle3": dict(load_recipe(ROOT / "recipes" / "eagle3.yaml").head)}
     dflash = dict(load_recipe(ROOT / "recipes" / "dflash.yaml").head)
-    if max(a.ks) + 1 > dflash["block_size"]:  # a block drafts at most B - 1 tokens: widen it to the longest k
-        print(f"dflash: block_size {dflash['block_size']} -> {max(a.ks) + 1} for k = {max(a.ks)}", flush=True)
-        dflash["block_size"] = max(a.ks) + 1
+    widest = max(a.ks) + 1  # a block drafts at most B - 1 tokens: widen it to the longest k
+    if widest > dflash["block_size"]:
+        print(f"dflash: block_size {dflash['block_size']} -> {widest} for k = {widest - 1}", flush=True)
+        dflash["block_size"] = widest
     if a.dflash_layers is None:
         specs["dflash"] = dflash
     for n in a.dflash_layers or ():
